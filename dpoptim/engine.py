@@ -1,0 +1,463 @@
+"""The clipping engine: hooks that watch one optimizer's parameters and turn each backward
+pass into per-example clipped sums.
+
+How a logical batch flows through it:
+
+1. **Forward.** One process-wide forward hook per engine sees every module call. A module
+   whose rule (see :mod:`dpoptim.registry`) claims trainable parameters of this optimizer
+   gets a *record*: what its rule saves from the inputs, plus a gradient hook on each
+   output. The record lives only in that hook, so a forward that is never backpropagated
+   leaves nothing behind once its graph is freed, and under ``torch.no_grad()`` nothing
+   is recorded at all.
+2. **Backward.** Output hooks collect the gradients of the outputs; parameter hooks note
+   which parameters autograd accumulated into. Everything one ``backward()`` call reaches
+   is one *group*: its uses share one example axis. At the end of the backward the group
+   is processed at once (book-keeping, Bu et al. 2023): per-example squared norms from
+   every use, clip factors ``c_i = min(1, C / ||g_i||)``, and each parameter's clipped sum
+   ``sum_i c_i g_i``, added to the running sums. The saved activations are then released,
+   so memory is bounded by one micro-batch however many ``backward()`` calls a logical
+   batch has.
+3. **Step.** The optimizer takes the sums, adds noise and divides by the expected batch
+   size (see :mod:`dpoptim.privatize`).
+
+Examples in different ``backward()`` calls are different examples; uses inside one
+backward that share a parameter (tied weights, a module called twice) are summed per
+example before the norm, so their cross terms count.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import warnings
+import weakref
+
+import torch
+from torch import nn
+
+from .errors import PrivacyWarning, UnsupportedLayerError
+from .privatize import clip_factors
+from .registry import Rule, Use, rule_for
+
+__all__ = ["GradEngine"]
+
+# Modules that mix examples through batch statistics: per-example gradients do not exist.
+_BATCH_MIXING = (nn.modules.batchnorm._BatchNorm,)
+
+_group_ids = itertools.count()
+
+
+def _uses_batch_statistics(module: nn.Module) -> bool:
+    return module.training or getattr(module, "running_mean", None) is None
+
+
+class _Record:
+    """One forward call of one module."""
+
+    __slots__ = ("module", "rule", "params", "saved", "n_outputs", "group_id", "__weakref__")
+
+    def __init__(self, module, rule, params, saved, n_outputs):
+        self.module = module
+        self.rule = rule
+        self.params = params  # list of (name, parameter)
+        self.saved = saved
+        self.n_outputs = n_outputs
+        self.group_id = None
+
+
+class _Group:
+    """Everything one backward() call reached."""
+
+    def __init__(self):
+        self.id = next(_group_ids)
+        self.uses: dict[int, tuple[_Record, list]] = {}
+        self.accumulated: dict[int, torch.Tensor] = {}
+        self.autograd: dict[int, torch.Tensor] = {}
+        self.mixing: dict[int, nn.Module] = {}
+
+
+# Hooks hold the engine weakly, so dropping the optimizer frees it and its hooks.
+def _forward_hook(engine_ref, module, args, kwargs, output):
+    engine = engine_ref()
+    if engine is not None and torch.is_grad_enabled():
+        engine._on_forward(module, args, kwargs, output)
+
+
+def _output_grad_hook(engine_ref, record, index, grad):
+    engine = engine_ref()
+    if engine is not None:
+        engine._on_output_grad(record, index, grad)
+
+
+def _mixing_hook(engine_ref, module, grad):
+    engine = engine_ref()
+    if engine is not None:
+        engine._group().mixing[id(module)] = module
+
+
+def _accumulated_hook(engine_ref, param):
+    engine = engine_ref()
+    if engine is not None:
+        engine._group().accumulated[id(param)] = param
+
+
+def _param_grad_hook(engine_ref, param_id, grad):
+    engine = engine_ref()
+    if engine is not None:
+        group = engine._group()
+        previous = group.autograd.get(param_id)
+        group.autograd[param_id] = grad.detach().clone() if previous is None else previous + grad
+
+
+def _close_group(engine_ref):
+    engine = engine_ref()
+    if engine is not None:
+        engine._close()
+
+
+def _remove_all(handles):
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
+def _map_tensors(obj, fn):
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_map_tensors(v, fn) for v in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def _finite_or_zero(t: torch.Tensor) -> torch.Tensor:
+    return torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) if t.is_floating_point() else t
+
+
+class GradEngine:
+    """Per-example clipping for one set of parameters. Owned by a DP optimizer.
+
+    ``max_grad_norm`` is a callable returning the clipping bound C in force; it is read at
+    the end of each backward pass.
+    """
+
+    def __init__(self, max_grad_norm, loss_reduction: str = "mean"):
+        self._max_grad_norm = max_grad_norm
+        self.loss_reduction = loss_reduction
+        self._params: dict[int, torch.Tensor] = {}
+        self._names: dict[int, str] = {}
+        self._owners: dict[int, tuple[str, str]] = {}
+        self._decisions = weakref.WeakKeyDictionary()
+        self._open: _Group | None = None
+        self._handles: list = []
+        self._verify_handles: list = []
+        self._ref = weakref.ref(self)
+        self._verify = True
+        self.reset()
+        self._handles.append(
+            nn.modules.module.register_module_forward_hook(
+                functools.partial(_forward_hook, self._ref), with_kwargs=True
+            )
+        )
+        weakref.finalize(self, _remove_all, self._handles)
+        weakref.finalize(self, _remove_all, self._verify_handles)
+
+    # ----------------------------------------------------------------- parameters
+    def add_params(self, params, names=None) -> None:
+        for i, p in enumerate(params):
+            if id(p) in self._params:
+                continue
+            self._params[id(p)] = p
+            if names is not None:
+                self._names[id(p)] = names[i]
+            self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(_accumulated_hook, self._ref)))
+            if self._verify:
+                self._verify_handles.append(p.register_hook(functools.partial(_param_grad_hook, self._ref, id(p))))
+        self._decisions = weakref.WeakKeyDictionary()
+
+    def close(self) -> None:
+        """Remove every hook this engine installed."""
+        _remove_all(self._handles)
+        _remove_all(self._verify_handles)
+
+    # ----------------------------------------------------------------- state per logical batch
+    def reset(self) -> None:
+        """Start a new logical batch."""
+        self._sums: dict[int, torch.Tensor] = {}
+        self._raw_sums: dict[int, torch.Tensor] = {}
+        self._autograd_sums: dict[int, torch.Tensor] = {}
+        self._errors: list[str] = []
+        self._clip_norms: set[float] = set()
+        self.examples = 0
+        self.backward_calls = 0
+
+    def clipped_sums(self) -> dict[int, torch.Tensor]:
+        """The clipped sums of the logical batch, by ``id(param)``; raises what went wrong."""
+        if self._errors:
+            errors = list(dict.fromkeys(self._errors))
+            self.reset()
+            raise UnsupportedLayerError("\n".join(errors))
+        current = float(self._max_grad_norm())
+        if any(c != current for c in self._clip_norms):
+            used = sorted(self._clip_norms)
+            self.reset()
+            raise ValueError(
+                f"max_grad_norm changed from {used} to {current} between backward() and step(): "
+                "the noise must match the bound the gradients were clipped to. Change it "
+                "after step() (or before the first backward() of a batch)."
+            )
+        if self._verify and self._raw_sums:
+            self._check_against_autograd()
+        return self._sums
+
+    # ----------------------------------------------------------------- hooks
+    def _decide(self, module):
+        key = tuple(map(id, module._parameters.values()))
+        cached = self._decisions.get(module)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        for name, p in module._parameters.items():
+            if p is not None and id(p) in self._params:
+                self._owners.setdefault(id(p), (type(module).__name__, name))
+        decision = None
+        rule = rule_for(module)
+        if rule is not None:
+            claimed = [(n, p) for n, p in rule.parameters(module).items() if id(p) in self._params]
+            if claimed:
+                decision = (rule, claimed)
+        self._decisions[module] = (key, decision)
+        return decision
+
+    def _on_forward(self, module, args, kwargs, output):
+        if isinstance(module, _BATCH_MIXING) and _uses_batch_statistics(module):
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(functools.partial(_mixing_hook, self._ref, module))
+        decision = self._decide(module)
+        if decision is None:
+            return
+        rule, claimed = decision
+        params = [(n, p) for n, p in claimed if p.requires_grad]
+        if not params:
+            return
+        outputs = rule.outputs(module, output)
+        if not any(t.requires_grad for t in outputs):
+            return
+        record = _Record(module, rule, params, rule.save(module, args, kwargs, output), len(outputs))
+        for index, t in enumerate(outputs):
+            if t.requires_grad:
+                t.register_hook(functools.partial(_output_grad_hook, self._ref, record, index))
+
+    def _group(self) -> _Group:
+        if self._open is None:
+            self._open = _Group()
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_close_group, self._ref))
+        return self._open
+
+    def _on_output_grad(self, record, index, grad):
+        group = self._group()
+        entry = group.uses.get(id(record))
+        if entry is None:
+            if record.group_id is not None:
+                self._errors.append(
+                    f"{type(record.module).__name__} was backpropagated twice from one forward pass "
+                    "(backward with retain_graph=True): its examples would be clipped twice. "
+                    "Run a fresh forward pass for each backward()."
+                )
+            record.group_id = group.id
+            entry = group.uses[id(record)] = (record, [None] * record.n_outputs)
+        grads = entry[1]
+        grads[index] = grad if grads[index] is None else grads[index] + grad
+
+    def _close(self):
+        group, self._open = self._open, None
+        if group is None or not group.accumulated:
+            return  # torch.autograd.grad, or a backward that never reached our parameters
+        try:
+            self._process(group)
+        except Exception as exc:
+            self._errors.append(f"clipping failed during backward(): {exc}")
+            raise
+
+    # ----------------------------------------------------------------- the math of one group
+    def _process(self, group: _Group) -> None:
+        self.backward_calls += 1
+        for module in group.mixing.values():
+            self._errors.append(
+                f"{type(module).__name__} uses batch statistics, which mix examples: per-example "
+                "gradients do not exist and DP-SGD's guarantee would not hold. Replace it with "
+                "GroupNorm (dpoptim.replace_batchnorm(model)) or put it in eval mode."
+            )
+        counts: dict[int, int] = {}
+        for record, _ in group.uses.values():
+            for _, p in record.params:
+                counts[id(p)] = counts.get(id(p), 0) + 1
+        for pid, p in group.accumulated.items():
+            if pid not in counts:
+                self._errors.append(self._uncovered_message(p))
+        if not group.uses:
+            return
+
+        uses = [(record, Use(record.module, record.saved, grads)) for record, grads in group.uses.values()]
+        with _no_autocast():
+            self._process_uses(group, uses, counts)
+
+    def _process_uses(self, group, uses, counts):
+        def own(record):
+            return [n for n, p in record.params if counts[id(p)] == 1]
+
+        squared = []
+        for record, use in uses:
+            names = own(record)
+            if names:
+                squared.extend(self._checked_norms(record, use, names))
+        shared = self._shared_per_example(uses, counts)
+        squared.extend(g.flatten(1).square().sum(1) for g in shared.values())
+        total = functools.reduce(torch.add, (_wide(s) for s in squared))
+
+        n = total.shape[0]
+        scale = float(n) if self.loss_reduction == "mean" else 1.0
+        total = total * (scale * scale)
+        bound = float(self._max_grad_norm())
+        factors = clip_factors(total, bound)
+        if n and not bool(torch.isfinite(total).all()):
+            warnings.warn(
+                f"{int((~torch.isfinite(total)).sum())} example(s) had a non-finite gradient; their "
+                "contribution was dropped (clip factor 0). The step still adds noise and is charged.",
+                PrivacyWarning,
+                stacklevel=2,
+            )
+            uses = [(r, Use(u.module, _map_tensors(u.saved, _finite_or_zero), _map_tensors(u.grad_outputs, _finite_or_zero))) for r, u in uses]
+            shared = {pid: _finite_or_zero(g) for pid, g in shared.items()}
+        weights = factors * scale
+
+        for record, use in uses:
+            names = own(record)
+            if names:
+                self._accumulate(self._sums, record, record.rule.clipped_sum(use, names, weights.to(total.dtype)))
+        for pid, g in shared.items():
+            _add_into(self._sums, self._params[pid], torch.tensordot(weights.to(g.dtype), g, dims=1))
+
+        if self._verify:
+            ones = torch.ones_like(total)
+            for record, use in uses:
+                names = own(record)
+                if names:
+                    self._accumulate(self._raw_sums, record, record.rule.clipped_sum(use, names, ones))
+            for pid, g in shared.items():
+                _add_into(self._raw_sums, self._params[pid], g.sum(0))
+            for pid, g in group.autograd.items():
+                _add_into(self._autograd_sums, self._params[pid], g)
+
+        self.examples += n
+        self._clip_norms.add(bound)
+
+    def _checked_norms(self, record, use, names):
+        norms = record.rule.norms(use, names)
+        for name in names:
+            if name not in norms or norms[name].dim() != 1:
+                raise RuntimeError(
+                    f"{type(record.rule).__name__}.norms must return a 1-D tensor for '{name}' "
+                    f"of {type(record.module).__name__}"
+                )
+        return [norms[name] for name in names]
+
+    def _shared_per_example(self, uses, counts):
+        shared: dict[int, torch.Tensor] = {}
+        for record, use in uses:
+            for name, p in record.params:
+                if counts[id(p)] > 1:
+                    g = record.rule.per_example(use, [name])[name]
+                    shared[id(p)] = g if id(p) not in shared else shared[id(p)] + g
+        return shared
+
+    def _accumulate(self, sums, record, values):
+        for name, p in record.params:
+            if name not in values:
+                continue
+            value = values[name]
+            if value.shape != p.shape:
+                raise RuntimeError(
+                    f"{type(record.rule).__name__}.clipped_sum returned shape {tuple(value.shape)} for "
+                    f"'{name}' of {type(record.module).__name__}, expected {tuple(p.shape)}"
+                )
+            _add_into(sums, p, value)
+
+    # ----------------------------------------------------------------- checks
+    def _describe(self, p) -> str:
+        if id(p) in self._names:
+            return f"parameter '{self._names[id(p)]}' (shape {tuple(p.shape)})"
+        if id(p) in self._owners:
+            cls, name = self._owners[id(p)]
+            return f"parameter '{name}' of {cls} (shape {tuple(p.shape)})"
+        return f"a parameter of shape {tuple(p.shape)}"
+
+    def _uncovered_message(self, p) -> str:
+        what = self._describe(p)
+        if id(p) in self._owners:
+            cls = self._owners[id(p)][0]
+            how = (
+                f"no rule is registered for {cls}. Register one with @dpoptim.register_rule({cls}) "
+                "(see docs/rules.md)"
+            )
+        else:
+            how = "it was used outside any module call dpoptim can see (a raw tensor in a functional call?)"
+        return (
+            f"{what} received a gradient that dpoptim cannot clip per example: {how}, "
+            "or freeze it with requires_grad_(False)."
+        )
+
+    def _check_against_autograd(self):
+        """Once, on the first step: the rules' unclipped sum must equal autograd's gradient.
+
+        This catches a parameter that is also used where no rule sees it (a module's weight
+        reused in a functional call, a loss term on the weights) and a rule that is wrong.
+        """
+        problems = []
+        for pid, raw in self._raw_sums.items():
+            reference = self._autograd_sums.get(pid)
+            p = self._params[pid]
+            if reference is None:
+                continue
+            tol = {torch.float64: 1e-6, torch.float32: 1e-3}.get(p.dtype, 3e-2)
+            error = (raw - reference).norm()
+            if error > tol * (reference.norm() + raw.norm()) + 1e-30:
+                problems.append(
+                    f"{self._describe(p)}: the gradient its rule sees differs from autograd's "
+                    f"(relative error {float(error / (reference.norm() + 1e-30)):.2e}). It is used "
+                    "somewhere dpoptim cannot see (a functional call on the weight, a loss term on "
+                    "the parameters), or its module's rule is wrong. Route every use through a module "
+                    "with a rule; put weight penalties in the optimizer's weight_decay."
+                )
+        if problems:
+            self.reset()
+            raise UnsupportedLayerError("\n".join(problems))
+        self._verify = False
+        _remove_all(self._verify_handles)
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def _add_into(sums, p, value):
+    value = value.to(p.dtype)
+    current = sums.get(id(p))
+    sums[id(p)] = value if current is None else current.add_(value)
+
+
+class _no_autocast:
+    """Rules run with autocast off: norms and factors in float32 or wider."""
+
+    def __enter__(self):
+        self._contexts = [torch.autocast("cpu", enabled=False)]
+        if torch.cuda.is_available():
+            self._contexts.append(torch.autocast("cuda", enabled=False))
+        for c in self._contexts:
+            c.__enter__()
+
+    def __exit__(self, *exc):
+        for c in reversed(self._contexts):
+            c.__exit__(*exc)

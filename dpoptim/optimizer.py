@@ -1,0 +1,402 @@
+"""DP optimizers: one mixin in front of any ``torch.optim.Optimizer``.
+
+``DPSGD``, ``DPAdam`` and ``DPRMSProp`` are ``torch.optim.SGD``, ``Adam`` and ``RMSprop``
+with privatization as one step in front of their own, unchanged update:
+
+.. math::
+
+    \\hat g = \\frac{1}{B}\\Big(\\sum_{i} \\min\\big(1, \\tfrac{C}{\\lVert g_i\\rVert}\\big) g_i
+              + \\mathcal N(0, \\sigma^2 C^2 I)\\Big)
+
+where the sum runs over every example of the logical batch (all ``backward()`` calls since
+the last ``step()`` or ``zero_grad()``), ``g_i`` is the gradient of example i's own loss over
+all trainable parameters of the optimizer, ``C = max_grad_norm``, ``sigma =
+noise_multiplier`` and ``B = expected_batch_size``. Each step is recorded as a
+Poisson-subsampled Gaussian mechanism ``(sigma, q)`` in the optimizer's privacy ledger.
+
+With ``loss_reduction='mean'`` (the default) the loss is taken to be the mean over each
+physical batch passed to ``backward()``; per-example gradients are recovered by
+multiplying by that batch's size. Use ``'sum'`` for losses summed over examples.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+from typing import NamedTuple
+
+import torch
+
+from .engine import GradEngine
+from .errors import PrivacyBudgetExceeded, PrivacyWarning
+from .privatize import fresh_generator, noisy_average
+
+__all__ = ["DPOptimizerMixin", "make_private", "DPSGD", "DPAdam", "DPRMSProp", "PrivacySpent"]
+
+_LOSS_REDUCTIONS = ("mean", "sum")
+_DEFAULT_DELTA = 1e-5
+
+
+class PrivacySpent(NamedTuple):
+    epsilon: float
+    delta: float
+
+
+def _check_noise_multiplier(value) -> float:
+    value = float(value)
+    if not value >= 0 or math.isinf(value):
+        raise ValueError(f"noise_multiplier must be a finite number >= 0, got {value}")
+    return value
+
+
+def _check_max_grad_norm(value) -> float:
+    value = float(value)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"max_grad_norm must be a finite number > 0, got {value}")
+    return value
+
+
+def _check_sample_rate(value) -> float:
+    value = float(value)
+    if not 0 < value <= 1:
+        raise ValueError(f"sample_rate must be in (0, 1], got {value}")
+    return value
+
+
+class DPOptimizerMixin:
+    """Makes the torch optimizer after it in the MRO differentially private.
+
+    Keyword-only arguments (everything else goes to the torch optimizer unchanged):
+
+    noise_multiplier
+        sigma >= 0: noise standard deviation in units of ``max_grad_norm``. May be omitted
+        when ``target_epsilon`` and ``steps`` (or ``epochs``) are given: it is then calibrated.
+    max_grad_norm
+        C > 0: each example's gradient is clipped to this L2 norm over all trainable
+        parameters of the optimizer.
+    expected_batch_size
+        B: the constant the noisy sum is divided by. Default ``sample_rate * dataset_size``
+        when both are known; otherwise it must be given. Never the size of the batch drawn.
+    sample_rate, dataset_size
+        q, the probability that an example is in a batch (Poisson sampling), for
+        accounting. Given directly, or as ``expected_batch_size / dataset_size``.
+    loss_reduction
+        ``'mean'`` (default) or ``'sum'``: how the loss combines the examples of a
+        physical batch.
+    generator
+        A ``torch.Generator`` for the noise, for reproducible runs. Default: a generator
+        seeded from the operating system's entropy, never a fixed seed.
+    delta, accountant
+        Defaults for :meth:`privacy_spent`: delta (default 1e-5; a warning if it is not
+        below 1/dataset_size) and ``'pld'`` (tight) or ``'rdp'``.
+    max_epsilon
+        If set, :meth:`step` raises :class:`PrivacyBudgetExceeded` instead of taking a step
+        that would spend more than this (at ``delta``). Defaults to ``target_epsilon``.
+    target_epsilon, steps, epochs
+        Calibrate ``noise_multiplier`` so that ``steps`` (or ``epochs / sample_rate``) steps
+        spend ``target_epsilon`` at ``delta``.
+    """
+
+    def __init__(
+        self,
+        params,
+        *args,
+        noise_multiplier: float | None = None,
+        max_grad_norm: float,
+        expected_batch_size: float | None = None,
+        sample_rate: float | None = None,
+        dataset_size: int | None = None,
+        loss_reduction: str = "mean",
+        generator: torch.Generator | None = None,
+        delta: float | None = None,
+        accountant: str = "pld",
+        max_epsilon: float | None = None,
+        target_epsilon: float | None = None,
+        steps: int | None = None,
+        epochs: float | None = None,
+        **kwargs,
+    ):
+        if loss_reduction not in _LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        max_grad_norm = _check_max_grad_norm(max_grad_norm)
+        if dataset_size is not None and not (int(dataset_size) == dataset_size and dataset_size >= 1):
+            raise ValueError(f"dataset_size must be a positive integer, got {dataset_size}")
+        if sample_rate is None and dataset_size is not None and expected_batch_size is not None:
+            sample_rate = float(expected_batch_size) / dataset_size
+        if sample_rate is None:
+            raise ValueError(
+                "sample_rate is needed for privacy accounting: pass sample_rate=q (the probability "
+                "that an example is in a batch), or dataset_size together with expected_batch_size"
+            )
+        sample_rate = _check_sample_rate(sample_rate)
+        if expected_batch_size is None:
+            if dataset_size is None:
+                raise ValueError(
+                    "expected_batch_size is needed: pass it (the mean batch size, e.g. "
+                    "sample_rate * len(dataset)) or pass dataset_size so it can be derived"
+                )
+            expected_batch_size = sample_rate * dataset_size
+        expected_batch_size = float(expected_batch_size)
+        if not (expected_batch_size > 0 and math.isfinite(expected_batch_size)):
+            raise ValueError(f"expected_batch_size must be a finite number > 0, got {expected_batch_size}")
+        if accountant not in ("pld", "rdp"):
+            raise ValueError(f"accountant must be 'pld' or 'rdp', got {accountant!r}")
+        if delta is None:
+            delta = _DEFAULT_DELTA
+        if not 0 < delta < 1:
+            raise ValueError(f"delta must be in (0, 1), got {delta}")
+        if dataset_size is not None and delta >= 1 / dataset_size:
+            warnings.warn(
+                f"delta={delta} is not below 1/dataset_size={1 / dataset_size:.3g}: a mechanism that "
+                "publishes one example outright meets such a delta. Use delta < 1/dataset_size.",
+                PrivacyWarning,
+                stacklevel=3,
+            )
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+
+        if noise_multiplier is None:
+            if target_epsilon is None:
+                raise ValueError("noise_multiplier is required (or pass target_epsilon with steps or epochs)")
+            if (steps is None) == (epochs is None):
+                raise ValueError("with target_epsilon, pass exactly one of steps or epochs")
+            total = int(steps) if steps is not None else math.ceil(float(epochs) / sample_rate)
+            from . import accounting  # scipy is imported only when accounting is used
+
+            noise_multiplier = accounting.calibrate_noise(target_epsilon, delta, sample_rate, total, accountant=accountant)
+            if max_epsilon is None:
+                max_epsilon = float(target_epsilon)
+        elif target_epsilon is not None:
+            raise ValueError("pass either noise_multiplier or target_epsilon, not both")
+        noise_multiplier = _check_noise_multiplier(noise_multiplier)
+        if max_epsilon is not None and not max_epsilon > 0:
+            raise ValueError(f"max_epsilon must be > 0, got {max_epsilon}")
+
+        this = weakref.ref(self)  # the engine must not keep the optimizer alive
+        self._engine = GradEngine(lambda: this().max_grad_norm, loss_reduction)
+        super().__init__(params, *args, **kwargs)
+        for group in self.param_groups:
+            group.setdefault("noise_multiplier", noise_multiplier)
+            group.setdefault("max_grad_norm", max_grad_norm)
+        self.defaults.update(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm)
+        self.expected_batch_size = expected_batch_size
+        self.sample_rate = sample_rate
+        self.dataset_size = dataset_size
+        self.loss_reduction = loss_reduction
+        self.delta = float(delta)
+        self.accountant = accountant
+        self.max_epsilon = None if max_epsilon is None else float(max_epsilon)
+        self._user_generator = generator
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._ledger: list[list] = []  # runs of [sigma, q, count]
+        self._budget_cache: tuple | None = None
+
+    # ----------------------------------------------------------------- hyperparameters
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if getattr(self, "defaults", None) is not None and "noise_multiplier" in self.defaults:
+            group.setdefault("noise_multiplier", self.defaults["noise_multiplier"])
+            group.setdefault("max_grad_norm", self.defaults["max_grad_norm"])
+        self._engine.add_params(group["params"], group.get("param_names"))
+
+    def _group_value(self, key: str, check) -> float:
+        values = {float(group[key]) for group in self.param_groups}
+        if len(values) != 1:
+            raise ValueError(
+                f"{key} differs between parameter groups ({sorted(values)}): DP-SGD clips and noises "
+                "all parameters together, so every group must use the same value"
+            )
+        return check(values.pop())
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self._group_value("noise_multiplier", _check_noise_multiplier)
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value: float) -> None:
+        value = _check_noise_multiplier(value)
+        for group in self.param_groups:
+            group["noise_multiplier"] = value
+
+    @property
+    def max_grad_norm(self) -> float:
+        return self._group_value("max_grad_norm", _check_max_grad_norm)
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float) -> None:
+        value = _check_max_grad_norm(value)
+        for group in self.param_groups:
+            group["max_grad_norm"] = value
+
+    # ----------------------------------------------------------------- the step
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._engine.reset()
+
+    def _generator_for(self, device: torch.device) -> torch.Generator:
+        if self._user_generator is not None:
+            return self._user_generator
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = self._generators[device] = fresh_generator(device)
+        return generator
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Clip, add noise, divide by the expected batch size, then the torch update."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        sigma = self.noise_multiplier
+        bound = self.max_grad_norm
+        q = _check_sample_rate(self.sample_rate)
+        batch = float(self.expected_batch_size)
+        if not (batch > 0 and math.isfinite(batch)):
+            raise ValueError(f"expected_batch_size must be a finite number > 0, got {batch}")
+        self._check_budget(sigma, q)
+        sums = self._engine.clipped_sums()
+
+        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        by_device: dict[torch.device, list] = {}
+        for p in params:
+            s = sums.get(id(p))
+            if s is None:
+                s = torch.zeros_like(p, memory_format=torch.preserve_format)
+            by_device.setdefault(p.device, []).append((p, s))
+        for device, pairs in by_device.items():
+            grads = noisy_average([s for _, s in pairs], sigma, bound, batch, self._generator_for(device))
+            for (p, _), g in zip(pairs, grads):
+                p.grad = g
+        self._engine.reset()
+        super().step()
+        self._record(sigma, q)
+        return loss
+
+    # ----------------------------------------------------------------- accounting
+    def _record(self, sigma: float, q: float) -> None:
+        if self._ledger and self._ledger[-1][0] == sigma and self._ledger[-1][1] == q:
+            self._ledger[-1][2] += 1
+        else:
+            self._ledger.append([sigma, q, 1])
+
+    @property
+    def ledger(self) -> tuple[tuple[float, float, int], ...]:
+        """The steps taken, as runs ``(noise_multiplier, sample_rate, count)``."""
+        return tuple(tuple(run) for run in self._ledger)
+
+    @property
+    def steps_taken(self) -> int:
+        return sum(run[2] for run in self._ledger)
+
+    def privacy_spent(self, delta: float | None = None, accountant: str | None = None) -> PrivacySpent:
+        """``(epsilon, delta)`` spent so far: the Poisson-subsampled Gaussian mechanism
+        composed over the ledger. ``delta`` defaults to the constructor's."""
+        delta = self.delta if delta is None else float(delta)
+        if self.dataset_size is not None and delta >= 1 / self.dataset_size:
+            warnings.warn(
+                f"delta={delta} is not below 1/dataset_size={1 / self.dataset_size:.3g}",
+                PrivacyWarning,
+                stacklevel=2,
+            )
+        from . import accounting
+
+        eps = accounting.epsilon_of_ledger(self.ledger, delta, accountant=accountant or self.accountant)
+        return PrivacySpent(float(eps), delta)
+
+    def _check_budget(self, sigma: float, q: float) -> None:
+        """Raise before a step that would exceed ``max_epsilon``. The number of steps the
+        budget allows at (sigma, q) is computed once per change of settings, not per step."""
+        if self.max_epsilon is None:
+            return
+        key = (sigma, q, self.delta, self.max_epsilon, self.accountant)
+        if self._budget_cache is None or self._budget_cache[0] != key:
+            from . import accounting
+
+            allowed = accounting.max_steps(
+                sigma, q, self.delta, self.max_epsilon, ledger=self.ledger, accountant=self.accountant
+            )
+            self._budget_cache = (key, self.steps_taken + allowed)
+        if self.steps_taken >= self._budget_cache[1]:
+            raise PrivacyBudgetExceeded(
+                f"one more step at noise_multiplier={sigma}, sample_rate={q} would spend more than "
+                f"max_epsilon={self.max_epsilon} at delta={self.delta} "
+                f"(spent so far over {self.steps_taken} steps: {self.privacy_spent().epsilon:.4g})"
+            )
+
+    # ----------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["dpoptim"] = {
+            "ledger": [list(run) for run in self._ledger],
+            "expected_batch_size": self.expected_batch_size,
+            "sample_rate": self.sample_rate,
+            "max_epsilon": self.max_epsilon,
+            "delta": self.delta,
+            # Only a generator the user chose is saved: restoring a default one would let
+            # anyone holding the checkpoint predict the noise of later steps.
+            "generator": None if self._user_generator is None else self._user_generator.get_state(),
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        dp = state_dict.pop("dpoptim", None)
+        if dp is None:
+            raise ValueError(
+                "this state_dict has no 'dpoptim' entry (privacy ledger): it was not saved by a "
+                "dpoptim optimizer, and resuming from it would under-report epsilon"
+            )
+        super().load_state_dict(state_dict)
+        self._ledger = [list(run) for run in dp["ledger"]]
+        self.expected_batch_size = dp["expected_batch_size"]
+        self.sample_rate = dp["sample_rate"]
+        self.max_epsilon = dp["max_epsilon"]
+        self.delta = dp["delta"]
+        self._budget_cache = None
+        if dp.get("generator") is not None and self._user_generator is not None:
+            self._user_generator.set_state(dp["generator"])
+
+
+_CACHE: dict[type, type] = {}
+
+
+def make_private(optimizer_class: type) -> type:
+    """A DP version of any ``torch.optim.Optimizer`` subclass, e.g. ``make_private(torch.optim.AdamW)``.
+
+    The returned class takes the optimizer's own arguments plus the keyword-only arguments
+    of :class:`DPOptimizerMixin`.
+    """
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(f"make_private needs a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+    if issubclass(optimizer_class, DPOptimizerMixin):
+        return optimizer_class
+    if optimizer_class not in _CACHE:
+        _CACHE[optimizer_class] = type(
+            f"DP{optimizer_class.__name__}",
+            (DPOptimizerMixin, optimizer_class),
+            {"__doc__": f"Differentially private {optimizer_class.__name__}. {DPOptimizerMixin.__doc__}",
+             "__module__": __name__},
+        )
+    return _CACHE[optimizer_class]
+
+
+class DPSGD(DPOptimizerMixin, torch.optim.SGD):
+    """Differentially private ``torch.optim.SGD`` (momentum, nesterov, weight decay as usual).
+
+    >>> opt = DPSGD(model.parameters(), lr=0.1, noise_multiplier=1.1, max_grad_norm=1.0,
+    ...             expected_batch_size=256, sample_rate=256 / 60000)  # doctest: +SKIP
+    """
+
+
+class DPAdam(DPOptimizerMixin, torch.optim.Adam):
+    """Differentially private ``torch.optim.Adam`` (betas, amsgrad, weight decay as usual)."""
+
+
+class DPRMSProp(DPOptimizerMixin, torch.optim.RMSprop):
+    """Differentially private ``torch.optim.RMSprop`` (alpha, centered, momentum as usual)."""
+
+
+_CACHE.update({torch.optim.SGD: DPSGD, torch.optim.Adam: DPAdam, torch.optim.RMSprop: DPRMSProp})

@@ -1,0 +1,59 @@
+"""The DP-SGD step as small pure functions over tensors (Abadi et al., 2016).
+
+.. math::
+
+    c_i = \\min(1, C / \\lVert g_i \\rVert), \\qquad
+    \\hat g = \\frac{1}{B} \\Big( \\sum_i c_i g_i + \\mathcal N(0, \\sigma^2 C^2 I) \\Big)
+
+``B`` is the expected batch size: a constant, never the number of examples drawn, so the
+divisor carries no information about the data.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import torch
+
+__all__ = ["clip_factors", "noisy_average", "fresh_generator"]
+
+
+def clip_factors(squared_norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+    """``c_i = min(1, C / ||g_i||)``; a zero gradient gets 1, a non-finite one gets 0.
+
+    The non-finite case drops that example's contribution instead of letting NaN reach the
+    weights; the step itself still happens (and is charged), so whether a step is taken
+    never depends on the data.
+    """
+    norms = squared_norms.sqrt()
+    factors = (max_grad_norm / norms).clamp(max=1.0)
+    return torch.where(torch.isfinite(squared_norms), factors, torch.zeros_like(factors))
+
+
+def noisy_average(
+    clipped_sums: list[torch.Tensor],
+    noise_multiplier: float,
+    max_grad_norm: float,
+    expected_batch_size: float,
+    generator: torch.Generator,
+) -> list[torch.Tensor]:
+    """``(S + N(0, sigma^2 C^2)) / B`` for each clipped sum S, in place.
+
+    Noise is drawn on the generator's device in the sums' dtype and moved if needed, so a
+    seeded generator gives the same noise wherever the parameters live.
+    """
+    std = noise_multiplier * max_grad_norm
+    if std > 0:
+        for s in clipped_sums:
+            z = torch.randn(s.shape, generator=generator, device=generator.device, dtype=s.dtype)
+            s.add_(z.to(s.device, non_blocking=True), alpha=std)
+    if clipped_sums:
+        torch._foreach_div_(clipped_sums, float(expected_batch_size))
+    return clipped_sums
+
+
+def fresh_generator(device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator seeded from the operating system's entropy pool (never a fixed seed)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(secrets.randbits(63))
+    return generator

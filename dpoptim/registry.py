@@ -1,0 +1,154 @@
+"""The registry of per-layer rules: one table from module type to the rule that clips it.
+
+The rule contract
+-----------------
+A rule turns what one call of a module saw (its inputs at forward time, the gradients of
+its outputs at backward time) into per-example quantities for the parameters it owns.
+
+For one call ("use") of a module on a batch of ``n`` examples, let ``L`` be the loss that
+was backpropagated and ``g_i(p)`` the gradient of ``L`` with respect to parameter ``p``
+restricted to example ``i`` (so that autograd's ``p.grad`` is ``sum_i g_i(p)``). A rule
+provides, for a list of parameter names it is asked about:
+
+=================  ===================================  ==================================
+method             returns (per name)                   meaning
+=================  ===================================  ==================================
+``per_example``    tensor ``[n, *p.shape]``             ``g_i(p)`` for every example
+``norms``          tensor ``[n]``                       ``||g_i(p)||^2``
+``clipped_sum``    tensor ``p.shape``                   ``sum_i f_i g_i(p)`` for factors f
+=================  ===================================  ==================================
+
+Only ``per_example`` is required: the base class derives ``norms`` and ``clipped_sum``
+from it. Rules override the other two when a cheaper route exists (the "ghost" norm of
+Goodfellow 2015 / Li et al. 2022, or the book-keeping clipped sum of Bu et al. 2023).
+
+Loss scaling never reaches a rule: rules see autograd's raw output gradients. The engine
+turns ``'mean'`` reduction back into per-example losses by multiplying norms by ``n^2``
+and factors by ``n``.
+
+Factors may be exactly zero for examples whose gradient is not finite; the engine zeroes
+such examples' non-finite inputs before calling ``clipped_sum``, so a rule needs no
+special case for them.
+
+Register a rule with :func:`register_rule`; built-in rules use the same door.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+__all__ = ["Rule", "Use", "register_rule", "rule_for", "registered_rules"]
+
+
+@dataclasses.dataclass
+class Use:
+    """One call of a module, as seen by its rule.
+
+    ``saved`` is whatever :meth:`Rule.save` kept at forward time; ``grad_outputs`` holds
+    the gradients of the tensors :meth:`Rule.outputs` returned, in order (``None`` where
+    no gradient arrived); ``cache`` lets a rule share work between its methods.
+    """
+
+    module: nn.Module
+    saved: Any
+    grad_outputs: list
+    cache: dict = dataclasses.field(default_factory=dict)
+
+
+class Rule:
+    """Base class for per-layer rules. Subclass it and decorate with :func:`register_rule`."""
+
+    def parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        """The parameters this rule accounts for, by name relative to ``module``."""
+        return {name: p for name, p in module._parameters.items() if p is not None}
+
+    def save(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        """What to keep from the forward call (by default its positional inputs)."""
+        return args
+
+    def outputs(self, module: nn.Module, output: Any) -> list[torch.Tensor]:
+        """The output tensors whose gradients the rule needs (by default all of them)."""
+        if isinstance(output, torch.Tensor):
+            return [output]
+        if isinstance(output, (tuple, list)):
+            return [t for t in output if isinstance(t, torch.Tensor)]
+        raise TypeError(
+            f"{type(self).__name__} cannot find the output tensors of {type(module).__name__}; "
+            "override Rule.outputs"
+        )
+
+    def per_example(self, use: Use, names: list[str]) -> dict[str, torch.Tensor]:
+        """Per-example gradients ``g_i(p)``, shape ``[n, *p.shape]``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement per_example")
+
+    def norms(self, use: Use, names: list[str]) -> dict[str, torch.Tensor]:
+        """Per-example squared norms ``||g_i(p)||^2``, shape ``[n]``."""
+        grads = self._per_example_cached(use, names)
+        return {name: grads[name].flatten(1).square().sum(1) for name in names}
+
+    def clipped_sum(self, use: Use, names: list[str], factors: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``sum_i factors_i g_i(p)``, shape ``p.shape``."""
+        grads = self._per_example_cached(use, names)
+        return {name: torch.tensordot(factors.to(grads[name].dtype), grads[name], dims=1) for name in names}
+
+    def _per_example_cached(self, use: Use, names: list[str]) -> dict[str, torch.Tensor]:
+        cached = use.cache.setdefault("per_example", {})
+        missing = [name for name in names if name not in cached]
+        if missing:
+            cached.update(self.per_example(use, missing))
+        return cached
+
+
+_RULES: dict[type, Rule] = {}
+
+
+def register_rule(layer_type: type, rule: Rule | type | None = None, *, replace: bool = False) -> Callable | Rule:
+    """Register ``rule`` for modules of exactly ``layer_type`` (and its subclasses that
+    keep its ``forward``).
+
+    Use as a decorator on a :class:`Rule` subclass::
+
+        @dpoptim.register_rule(MyLayer)
+        class MyLayerRule(dpoptim.Rule):
+            def per_example(self, use, names): ...
+
+    Registering a second rule for the same type raises unless ``replace=True``.
+    """
+    if not (isinstance(layer_type, type) and issubclass(layer_type, nn.Module)):
+        raise TypeError(f"register_rule: layer_type must be an nn.Module subclass, got {layer_type!r}")
+
+    def add(r):
+        instance = r() if isinstance(r, type) else r
+        if not isinstance(instance, Rule):
+            raise TypeError(f"register_rule: a rule must subclass dpoptim.Rule, got {r!r}")
+        if layer_type in _RULES and not replace:
+            raise ValueError(
+                f"a rule for {layer_type.__name__} is already registered "
+                f"({type(_RULES[layer_type]).__name__}); pass replace=True to override it"
+            )
+        _RULES[layer_type] = instance
+        return r
+
+    return add if rule is None else add(rule)
+
+
+def rule_for(module: nn.Module) -> Rule | None:
+    """The rule for ``module``: its exact type's, else the nearest base class's, but only
+    when the subclass does not override ``forward`` (otherwise the base rule could be wrong)."""
+    cls = type(module)
+    rule = _RULES.get(cls)
+    if rule is not None:
+        return rule
+    for base in cls.__mro__[1:]:
+        if base in _RULES:
+            return _RULES[base] if cls.forward is base.forward else None
+    return None
+
+
+def registered_rules() -> dict[type, Rule]:
+    """A copy of the registry table."""
+    return dict(_RULES)

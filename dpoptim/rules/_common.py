@@ -1,0 +1,52 @@
+"""Helpers shared by the built-in rules."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def batched(x: torch.Tensor, module, what: str, min_dim: int = 2) -> torch.Tensor:
+    """Check that ``x`` has a batch dimension in front."""
+    if x.dim() < min_dim:
+        raise ValueError(
+            f"{type(module).__name__} got an unbatched {what} of shape {tuple(x.shape)}: per-example "
+            "clipping needs the batch as the first dimension. Add one with x.unsqueeze(0)."
+        )
+    return x
+
+
+def common_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The dtype rules compute in: the widest of the inputs, and at least float32."""
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def rows_by_example(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reshape activations ``[n, ..., d]`` and output gradients ``[n, ..., p]`` to
+    ``[n, T, d]`` and ``[n, T, p]`` in a common dtype."""
+    dtype = common_dtype(a, b)
+    n, rows = a.shape[0], math.prod(a.shape[1:-1])
+    return a.reshape(n, rows, a.shape[-1]).to(dtype), b.reshape(n, rows, b.shape[-1]).to(dtype)
+
+
+def ghost_or_materialize(a: torch.Tensor, b: torch.Tensor, cache: dict) -> torch.Tensor:
+    """``||sum_t b_t a_t^T||^2`` per example for ``a: [n, T, d]``, ``b: [n, T, p]``.
+
+    T = 1: ``||a||^2 ||b||^2``. Otherwise the cheaper of the ghost route (Gram matrices,
+    ~T^2 (d + p) per example) and materialising ``g_i`` (~T d p, kept in ``cache`` for
+    the clipped sum).
+    """
+    n, T, d = a.shape
+    p = b.shape[-1]
+    if T == 1:
+        return a.square().sum((1, 2)) * b.square().sum((1, 2))
+    if T * T * (d + p) < T * d * p:
+        gram_a = torch.bmm(a, a.transpose(1, 2))
+        gram_b = torch.bmm(b, b.transpose(1, 2))
+        return (gram_a * gram_b).sum((1, 2))
+    g = cache["materialized"] = torch.bmm(b.transpose(1, 2), a)
+    return g.square().sum((1, 2))

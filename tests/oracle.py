@@ -1,0 +1,107 @@
+"""The brute-force reference every rule is tested against.
+
+For each example on its own: forward, its loss, autograd gradients of all trainable
+parameters, clip to C in the global L2 norm, sum. No dpoptim code is involved.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import dpoptim
+
+
+def _slice(x, i, dim):
+    if isinstance(x, torch.Tensor):
+        return x.narrow(dim, i, 1)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_slice(v, i, dim) for v in x)
+    return x
+
+
+def per_example_gradients(model, inputs, targets, forward, loss, batch_dims=None):
+    """List over examples of [grad per trainable parameter] (zeros where unused).
+
+    ``inputs`` is a tuple of model inputs; ``batch_dims`` gives each one's batch dimension
+    (default 0). ``forward(model, *inputs) -> output``, ``loss(output, targets) -> [n]``.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    batch_dims = batch_dims or (0,) * len(inputs)
+    n = inputs[0].shape[batch_dims[0]] if isinstance(inputs[0], torch.Tensor) else len(targets)
+    grads = []
+    for i in range(n):
+        xs = tuple(_slice(x, i, d) for x, d in zip(inputs, batch_dims))
+        out = forward(model, *xs)
+        li = loss(out, _slice(targets, i, 0)).sum()
+        g = torch.autograd.grad(li, params, allow_unused=True)
+        grads.append([torch.zeros_like(p) if gi is None else gi for p, gi in zip(params, g)])
+    return grads
+
+
+def clipped_sum(per_example, max_grad_norm, params):
+    total = [torch.zeros_like(p) for p in params]
+    norms = []
+    for grads in per_example:
+        norm = torch.sqrt(sum(g.square().sum() for g in grads))
+        norms.append(float(norm))
+        factor = min(1.0, max_grad_norm / float(norm)) if float(norm) > 0 else 1.0
+        total = [t + factor * g for t, g in zip(total, grads)]
+    return total, norms
+
+
+def dp_clipped_sum(model, batches, max_grad_norm, forward, loss, reduction="mean", optimizer=None):
+    """What a DPSGD step does to the parameters with lr=1, no noise, expected batch 1:
+    minus the clipped sum over all examples of all ``batches`` (one backward each)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = optimizer or dpoptim.DPSGD(
+        params, lr=1.0, noise_multiplier=0.0, max_grad_norm=max_grad_norm,
+        expected_batch_size=1, sample_rate=0.5, loss_reduction=reduction,
+    )
+    before = [p.detach().clone() for p in params]
+    opt.zero_grad()
+    for inputs, targets in batches:
+        losses = loss(forward(model, *inputs), targets)
+        (losses.mean() if reduction == "mean" else losses.sum()).backward()
+    opt.step()
+    return [b - p.detach() for b, p in zip(before, params)]
+
+
+def check_rule_case(make_model, inputs, targets, forward, loss, max_grad_norm=None, batch_dims=None,
+                    reduction="mean", splits=None, rtol=1e-7):
+    """Compare dpoptim's clipped sum with the brute-force one; raise listing every mismatch.
+
+    ``max_grad_norm=None`` picks the median per-example norm, so some examples are clipped
+    and some are not. ``splits`` cuts the batch into micro-batches (one backward each).
+    """
+    torch.manual_seed(0)
+    model = make_model()
+    reference = copy.deepcopy(model)
+    params = [p for p in reference.parameters() if p.requires_grad]
+    grads = per_example_gradients(reference, inputs, targets, forward, loss, batch_dims)
+    if max_grad_norm is None:
+        norms = sorted(float(torch.sqrt(sum(g.square().sum() for g in gs))) for gs in grads)
+        max_grad_norm = norms[len(norms) // 2] if norms and norms[len(norms) // 2] > 0 else 1.0
+    expected, _ = clipped_sum(grads, max_grad_norm, params)
+
+    batches = [(inputs, targets)]
+    if splits:
+        batches, start = [], 0
+        dims = batch_dims or (0,) * len(inputs)
+        for size in splits:
+            batches.append((tuple(x.narrow(d, start, size) for x, d in zip(inputs, dims)), targets[start:start + size]))
+            start += size
+    got = dp_clipped_sum(model, batches, max_grad_norm, forward, loss, reduction)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    problems = []
+    for name, e, g in zip(names, expected, got):
+        if e.shape != g.shape:
+            problems.append(f"{name}: shape {tuple(g.shape)} != {tuple(e.shape)}")
+            continue
+        scale = e.abs().max().item() if e.numel() else 0.0
+        err = (e - g).abs().max().item() if e.numel() else 0.0
+        if not err <= rtol * max(scale, 1e-12) + 1e-12:
+            problems.append(f"{name}: max error {err:.3e} (scale {scale:.3e})")
+    assert not problems, "dpoptim differs from the per-example oracle:\n" + "\n".join(problems)
+    return max_grad_norm

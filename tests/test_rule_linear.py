@@ -1,0 +1,41 @@
+"""nn.Linear against the brute-force oracle over drawn shapes."""
+
+import torch
+from hypothesis import given, strategies as st
+from torch import nn
+
+from oracle import check_rule_case
+
+
+def mse(out, target):
+    return 0.5 * (out - target).flatten(1).square().sum(1)
+
+
+@given(
+    n=st.integers(0, 5),
+    lead=st.lists(st.integers(1, 4), min_size=0, max_size=2),
+    d=st.integers(1, 6),
+    p=st.integers(1, 6),
+    bias=st.booleans(),
+    reduction=st.sampled_from(["mean", "sum"]),
+    clip=st.sampled_from([None, 1e6]),
+)
+def test_linear_matches_oracle(n, lead, d, p, bias, reduction, clip):
+    g = torch.Generator().manual_seed(n * 31 + d)
+    x = torch.randn(n, *lead, d, generator=g, dtype=torch.float64)
+    y = torch.randn(n, *lead, p, generator=g, dtype=torch.float64)
+
+    def make():
+        return nn.Sequential(nn.Linear(d, 5), nn.Tanh(), nn.Linear(5, p, bias=bias)).double()
+
+    check_rule_case(make, (x,), y, lambda m, x: m(x), mse, max_grad_norm=clip, reduction=reduction)
+
+
+@given(splits=st.lists(st.integers(0, 3), min_size=1, max_size=4))
+def test_linear_accumulation_equals_one_batch(splits):
+    n = sum(splits)
+    g = torch.Generator().manual_seed(len(splits))
+    x = torch.randn(n, 3, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(n, 3, 2, generator=g, dtype=torch.float64)
+    make = lambda: nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)).double()
+    check_rule_case(make, (x,), y, lambda m, x: m(x), mse, splits=splits)
