@@ -156,6 +156,7 @@ class GradEngine:
         self._verify_handles: list = []
         self._ref = weakref.ref(self)
         self._verify = True
+        self._hooked: set[int] = set()
         self.reset()
         self._handles.append(
             nn.modules.module.register_module_forward_hook(
@@ -173,10 +174,17 @@ class GradEngine:
             self._params[id(p)] = p
             if names is not None:
                 self._names[id(p)] = names[i]
-            self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(_accumulated_hook, self._ref)))
-            if self._verify:
-                self._verify_handles.append(p.register_hook(functools.partial(_param_grad_hook, self._ref, id(p))))
         self._decisions = weakref.WeakKeyDictionary()
+        self._hook_params()
+
+    def _hook_params(self) -> None:
+        """Hook every trainable parameter (a frozen one is hooked once it is unfrozen)."""
+        for pid, p in self._params.items():
+            if p.requires_grad and pid not in self._hooked:
+                self._hooked.add(pid)
+                self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(_accumulated_hook, self._ref)))
+                if self._verify:
+                    self._verify_handles.append(p.register_hook(functools.partial(_param_grad_hook, self._ref, pid)))
 
     def close(self) -> None:
         """Remove every hook this engine installed."""
@@ -196,6 +204,7 @@ class GradEngine:
 
     def clipped_sums(self) -> dict[int, torch.Tensor]:
         """The clipped sums of the logical batch, by ``id(param)``; raises what went wrong."""
+        self._hook_params()
         if self._errors:
             errors = list(dict.fromkeys(self._errors))
             self.reset()

@@ -1,0 +1,257 @@
+"""The DP optimizers: torch-twin equivalence, noise, reproducibility, the step contract."""
+
+import copy
+import gc
+import math
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+from torch import nn
+
+import dpoptim
+from oracle import check_rule_case
+
+
+def mlp(seed=0, dtype=torch.float64):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
+
+
+def batch(n=10, seed=1, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g, dtype=dtype), torch.randint(0, 3, (n,), generator=g)
+
+
+TWINS = [
+    (dpoptim.DPSGD, torch.optim.SGD, dict(lr=0.1)),
+    (dpoptim.DPSGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    (dpoptim.DPSGD, torch.optim.SGD, dict(lr=0.1, momentum=0.5, dampening=0.1, maximize=True)),
+    (dpoptim.DPAdam, torch.optim.Adam, dict(lr=0.01)),
+    (dpoptim.DPAdam, torch.optim.Adam, dict(lr=0.01, betas=(0.8, 0.99), amsgrad=True, weight_decay=0.1)),
+    (dpoptim.DPRMSProp, torch.optim.RMSprop, dict(lr=0.01)),
+    (dpoptim.DPRMSProp, torch.optim.RMSprop, dict(lr=0.01, alpha=0.9, centered=True, momentum=0.5)),
+    (dpoptim.make_private(torch.optim.AdamW), torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
+    (dpoptim.make_private(torch.optim.Adagrad), torch.optim.Adagrad, dict(lr=0.1)),
+]
+
+
+@pytest.mark.parametrize("dp_cls, torch_cls, kwargs", TWINS)
+def test_without_noise_and_clipping_equals_torch_twin(dp_cls, torch_cls, kwargs):
+    model, twin = mlp(), mlp()
+    n = 10
+    dp = dp_cls(model.parameters(), **kwargs, noise_multiplier=0.0, max_grad_norm=1e9,
+                expected_batch_size=n, sample_rate=0.1)
+    ref = torch_cls(twin.parameters(), **kwargs)
+    for step in range(4):
+        x, y = batch(n, seed=step)
+        for m, opt in ((model, dp), (twin, ref)):
+            opt.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            opt.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+
+
+def test_param_groups_are_honoured():
+    model, twin = mlp(), mlp()
+    groups = lambda m: [{"params": m[0].parameters(), "lr": 0.5}, {"params": m[2].parameters()}]
+    dp = dpoptim.DPSGD(groups(model), lr=0.1, momentum=0.9, noise_multiplier=0.0, max_grad_norm=1e9,
+                       expected_batch_size=10, sample_rate=0.1)
+    ref = torch.optim.SGD(groups(twin), lr=0.1, momentum=0.9)
+    x, y = batch()
+    for m, opt in ((model, dp), (twin, ref)):
+        for _ in range(2):
+            opt.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            opt.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_clipping_uses_the_global_norm_over_all_parameters():
+    x, y = batch(7)
+    loss = lambda out, t: nn.functional.cross_entropy(out, t, reduction="none")
+    check_rule_case(mlp, (x,), y, lambda m, x: m(x), loss)
+
+
+def zero_loss_model(size=20000):
+    """A model whose gradient is exactly zero, so the step is pure noise."""
+    model = nn.Linear(size, 1, bias=False).double()
+    nn.init.zeros_(model.weight)
+    return model
+
+
+def test_noise_has_standard_deviation_sigma_c_over_b():
+    sigma, clip, b = 1.3, 0.7, 4.0
+    model = zero_loss_model()
+    opt = dpoptim.DPSGD(model.parameters(), lr=1.0, noise_multiplier=sigma, max_grad_norm=clip,
+                        expected_batch_size=b, sample_rate=0.01)
+    opt.zero_grad()
+    model(torch.zeros(3, 20000, dtype=torch.float64)).sum().backward()
+    opt.step()
+    noise = -model.weight.detach().flatten()
+    n = noise.numel()
+    expected = sigma * clip / b
+    # The sample variance of n normals has relative standard error sqrt(2/n) (~1% here):
+    # 6 standard errors cannot fail by chance in practice, and a wrong scale is far outside.
+    assert abs(noise.var().item() / expected**2 - 1) < 6 * math.sqrt(2 / n)
+    assert abs(noise.mean().item()) < 6 * expected / math.sqrt(n)
+
+
+def test_seeded_generator_reproduces_the_noise_and_default_does_not():
+    def run(generator):
+        model = zero_loss_model(1000)
+        opt = dpoptim.DPSGD(model.parameters(), lr=1.0, noise_multiplier=1.0, max_grad_norm=1.0,
+                            expected_batch_size=1, sample_rate=0.01, generator=generator)
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.zeros(2, 1000, dtype=torch.float64)).sum().backward()
+            opt.step()
+        return model.weight.detach().clone()
+
+    a = run(torch.Generator().manual_seed(7))
+    b = run(torch.Generator().manual_seed(7))
+    assert torch.equal(a, b)
+    assert not torch.equal(run(None), run(None))
+
+
+def test_empty_batch_is_a_noise_only_step_and_is_recorded():
+    model = mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = dpoptim.DPSGD(model.parameters(), lr=1.0, noise_multiplier=1.0, max_grad_norm=1.0,
+                        expected_batch_size=4, sample_rate=0.1)
+    opt.zero_grad()
+    opt.step()  # no backward at all
+    x, y = batch(0)
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y, reduction="sum").backward()  # an empty batch
+    opt.step()
+    assert opt.ledger == ((1.0, 0.1, 2),)
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_frozen_parameters_are_ignored():
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    x, y = batch(5)
+    loss = lambda out, t: nn.functional.cross_entropy(out, t, reduction="none")
+    check_rule_case(lambda: model, (x,), y, lambda m, x: m(x), loss)
+    opt = dpoptim.DPSGD(model.parameters(), lr=1.0, noise_multiplier=1.0, max_grad_norm=1.0,
+                        expected_batch_size=4, sample_rate=0.1)
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert torch.equal(model[0].weight, frozen)
+
+
+def test_forward_without_backward_does_not_disturb_the_next_step():
+    x, y = batch(6)
+    loss = lambda out, t: nn.functional.cross_entropy(out, t, reduction="none")
+
+    def forward(m, x):
+        m(torch.randn(9, 6, dtype=torch.float64)).sum()  # evaluation with grad enabled, never backpropagated
+        with torch.no_grad():
+            m(x)
+        return m(x)
+
+    check_rule_case(mlp, (x,), y, forward, loss)
+
+
+def test_no_grad_forward_keeps_nothing():
+    model = mlp()
+    opt = dpoptim.DPSGD(model.parameters(), lr=1.0, noise_multiplier=0.0, max_grad_norm=1.0,
+                        expected_batch_size=4, sample_rate=0.1)
+    with torch.no_grad():
+        out = model(batch(5)[0])
+    assert out.grad_fn is None
+    assert opt._engine.examples == 0
+
+
+def test_two_optimizers_on_two_models_do_not_interfere():
+    x, y = batch(6)
+    loss = lambda out, t: nn.functional.cross_entropy(out, t, reduction="none")
+    other = mlp(seed=3)
+    other_opt = dpoptim.DPAdam(other.parameters(), lr=0.1, noise_multiplier=1.0, max_grad_norm=0.1,
+                               expected_batch_size=2, sample_rate=0.5)
+
+    xo, yo = batch(6, seed=9)
+
+    def forward(m, x):
+        other_opt.zero_grad()
+        nn.functional.cross_entropy(other(xo), yo).backward()  # the other model's backward
+        return m(x)
+
+    check_rule_case(mlp, (x,), y, forward, loss)
+    assert other_opt._engine.examples == 6  # its own last backward, nothing of the other model
+
+
+def test_dropping_the_optimizer_removes_its_hooks():
+    model = mlp()
+    hooks_before = len(nn.modules.module._global_forward_hooks)
+    opt = dpoptim.DPSGD(model.parameters(), lr=1.0, noise_multiplier=0.0, max_grad_norm=1.0,
+                        expected_batch_size=4, sample_rate=0.1)
+    assert len(nn.modules.module._global_forward_hooks) == hooks_before + 1
+    del opt
+    gc.collect()
+    assert len(nn.modules.module._global_forward_hooks) == hooks_before
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+def test_gradient_accumulation_over_micro_batches_equals_one_batch():
+    x, y = batch(9)
+    loss = lambda out, t: nn.functional.cross_entropy(out, t, reduction="none")
+    check_rule_case(mlp, (x,), y, lambda m, x: m(x), loss, splits=[4, 0, 1, 4])
+    check_rule_case(mlp, (x,), y, lambda m, x: m(x), loss, splits=[2, 7], reduction="sum")
+
+
+def test_closure_is_supported():
+    model, twin = mlp(), mlp()
+    x, y = batch()
+    dp = dpoptim.DPSGD(model.parameters(), lr=0.1, noise_multiplier=0.0, max_grad_norm=1e9,
+                       expected_batch_size=10, sample_rate=0.1)
+    ref = torch.optim.SGD(twin.parameters(), lr=0.1)
+
+    def closure_for(m, opt):
+        def closure():
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(m(x), y)
+            loss.backward()
+            return loss
+        return closure
+
+    assert torch.equal(dp.step(closure_for(model, dp)), ref.step(closure_for(twin, ref)))
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_divisor_is_the_expected_batch_size_not_the_drawn_one():
+    model, twin = mlp(), mlp()
+    x, y = batch(3)
+    opt = dpoptim.DPSGD(model.parameters(), lr=1.0, noise_multiplier=0.0, max_grad_norm=1e9,
+                        expected_batch_size=12, sample_rate=0.1, loss_reduction="sum")
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    opt.step()
+    ref = torch.optim.SGD(twin.parameters(), lr=1.0)
+    nn.functional.cross_entropy(twin(x), y, reduction="sum").div(12).backward()
+    ref.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+@given(n=st.integers(1, 6), scale=st.floats(0.01, 100))
+def test_every_example_contributes_at_most_c(n, scale):
+    """With clipping, the noiseless update has norm at most n * C / B."""
+    model = mlp()
+    x, y = batch(n)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = dpoptim.DPSGD(model.parameters(), lr=1.0, noise_multiplier=0.0, max_grad_norm=0.05,
+                        expected_batch_size=1, sample_rate=0.1)
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x * scale), y).backward()
+    opt.step()
+    delta = torch.sqrt(sum((b - p).square().sum() for b, p in zip(before, model.parameters())))
+    assert delta <= n * 0.05 * (1 + 1e-9)
