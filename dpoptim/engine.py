@@ -46,6 +46,9 @@ _BATCH_MIXING = (nn.modules.batchnorm._BatchNorm,)
 
 _group_ids = itertools.count()
 
+# id(parameter) -> (weakref to the parameter, weakref to the engine that clips it)
+_CLAIMED: dict[int, tuple] = {}
+
 
 def _uses_batch_statistics(module: nn.Module) -> bool:
     return module.training or getattr(module, "running_mean", None) is None
@@ -157,6 +160,7 @@ class GradEngine:
         self._ref = weakref.ref(self)
         self._verify = True
         self._hooked: set[int] = set()
+        self._warned_eval = False
         self.reset()
         self._handles.append(
             nn.modules.module.register_module_forward_hook(
@@ -174,8 +178,21 @@ class GradEngine:
             self._params[id(p)] = p
             if names is not None:
                 self._names[id(p)] = names[i]
+            self._claim(p)
         self._decisions = weakref.WeakKeyDictionary()
         self._hook_params()
+
+    def _claim(self, p) -> None:
+        claimed = _CLAIMED.get(id(p))
+        if claimed is not None and claimed[0]() is p and claimed[1]() not in (None, self):
+            warnings.warn(
+                f"{self._describe(p)} is already in another DP optimizer: each would clip and noise it "
+                "on its own and each ledger would show only part of the privacy cost. Give every "
+                "parameter to exactly one DP optimizer (use parameter groups for different settings).",
+                PrivacyWarning,
+                stacklevel=5,
+            )
+        _CLAIMED[id(p)] = (weakref.ref(p), self._ref)
 
     def _hook_params(self) -> None:
         """Hook every trainable parameter (a frozen one is hooked once it is unfrozen)."""
@@ -228,6 +245,8 @@ class GradEngine:
         cached = self._decisions.get(module)
         if cached is not None and cached[0] == key:
             return cached[1]
+        if cached is not None and cached[1] is not None:
+            self._warn_replaced(module, cached[1][1])
         for name, p in module._parameters.items():
             if p is not None and id(p) in self._params:
                 self._owners.setdefault(id(p), (type(module).__name__, name))
@@ -239,6 +258,17 @@ class GradEngine:
                 decision = (rule, claimed)
         self._decisions[module] = (key, decision)
         return decision
+
+    def _warn_replaced(self, module, claimed) -> None:
+        for name, p in claimed:
+            if module._parameters.get(name) is not p:
+                warnings.warn(
+                    f"parameter '{name}' of {type(module).__name__} was replaced after the optimizer was "
+                    "built; the new one is not in the optimizer and will not be trained. Build the "
+                    "optimizer after changing the model.",
+                    PrivacyWarning,
+                    stacklevel=4,
+                )
 
     def _on_forward(self, module, args, kwargs, output):
         if isinstance(module, _BATCH_MIXING) and _uses_batch_statistics(module):
@@ -309,6 +339,16 @@ class GradEngine:
         if not group.uses:
             return
 
+        if not self._warned_eval:
+            idle = sorted({type(r.module).__name__ for r, _ in group.uses.values() if not r.module.training})
+            if idle:
+                self._warned_eval = True
+                warnings.warn(
+                    f"backward() ran through modules in eval mode ({', '.join(idle)}) while training: "
+                    "did you forget model.train()? Dropout and similar layers behave differently.",
+                    PrivacyWarning,
+                    stacklevel=2,
+                )
         uses = [(record, Use(record.module, record.saved, grads)) for record, grads in group.uses.values()]
         with _no_autocast():
             self._process_uses(group, uses, counts)

@@ -218,3 +218,32 @@ def test_subclass_that_overrides_forward_does_not_inherit_the_rule():
 
     assert dpoptim.rule_for(Doubled(2, 2)) is None
     assert dpoptim.rule_for(Plain(2, 2)) is dpoptim.rule_for(nn.Linear(2, 2))
+
+
+def test_parameter_in_two_dp_optimizers_warns():
+    model = nn.Linear(2, 2)
+    first = make_opt(model.parameters())  # noqa: F841
+    with pytest.warns(dpoptim.PrivacyWarning, match="already in another DP optimizer"):
+        make_opt(model.parameters())
+
+
+def test_model_changed_after_the_optimizer_was_built_warns():
+    model = nn.Linear(3, 2)
+    opt = make_opt(model.parameters())  # noqa: F841
+    model(torch.randn(2, 3))
+    model.weight = nn.Parameter(torch.zeros(2, 3))
+    with pytest.warns(dpoptim.PrivacyWarning, match="'weight' of Linear was replaced"):
+        model(torch.randn(2, 3))
+
+
+def test_training_through_eval_mode_modules_warns_once():
+    model = nn.Sequential(nn.Linear(3, 2)).eval()
+    opt = make_opt(model.parameters())
+    with pytest.warns(dpoptim.PrivacyWarning, match="eval mode"):
+        model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    import warnings as w
+    with w.catch_warnings():
+        w.simplefilter("error")
+        model(torch.randn(2, 3)).sum().backward()
