@@ -80,10 +80,24 @@ class _Group:
 
 
 # Hooks hold the engine weakly, so dropping the optimizer frees it and its hooks.
-def _forward_hook(engine_ref, module, args, kwargs, output):
+def _forward_pre_hook(engine_ref, module, args):
     engine = engine_ref()
     if engine is not None and torch.is_grad_enabled():
-        engine._on_forward(module, args, kwargs, output)
+        engine._detach(module)
+
+
+def _forward_hook(engine_ref, module, args, kwargs, output):
+    engine = engine_ref()
+    if engine is not None:
+        engine._restore(module)
+        if torch.is_grad_enabled():
+            engine._on_forward(module, args, kwargs, output)
+
+
+def _restore_hook(engine_ref, module, args, output):
+    engine = engine_ref()  # runs even when forward raised
+    if engine is not None:
+        engine._restore(module)
 
 
 def _output_grad_hook(engine_ref, record, index, grad):
@@ -162,11 +176,17 @@ class GradEngine:
         self._hooked: set[int] = set()
         self._warned_eval = False
         self.reset()
-        self._handles.append(
+        self.detach_parameters = True
+        self._detached: dict[int, list] = {}
+        self._handles += [
+            nn.modules.module.register_module_forward_pre_hook(functools.partial(_forward_pre_hook, self._ref)),
             nn.modules.module.register_module_forward_hook(
                 functools.partial(_forward_hook, self._ref), with_kwargs=True
-            )
-        )
+            ),
+            nn.modules.module.register_module_forward_hook(
+                functools.partial(_restore_hook, self._ref), always_call=True
+            ),
+        ]
         weakref.finalize(self, _remove_all, self._handles)
         weakref.finalize(self, _remove_all, self._verify_handles)
 
@@ -258,6 +278,36 @@ class GradEngine:
                 decision = (rule, claimed)
         self._decisions[module] = (key, decision)
         return decision
+
+    def _detach(self, module) -> None:
+        """Ghost differentiation: for the duration of the forward, replace the module's
+        parameters (all but its smallest, which stays attached so every backward still
+        accumulates somewhere) with detached aliases, so autograd skips weight gradients
+        that the rule computes anyway. Off until the first step has been checked against
+        autograd, and off under torch.distributed (DDP waits for every gradient)."""
+        if not self.detach_parameters or self._verify:
+            return
+        decision = self._decide(module)
+        if decision is None or not decision[0].detach_parameters:
+            return
+        live = [(n, p) for n, p in decision[1] if p.requires_grad]
+        if len(live) < 2 or _distributed():
+            return
+        keep = min(live, key=lambda item: item[1].numel())[1]
+        swapped = []
+        for name, p in live:
+            if p is not keep:
+                owner, _, leaf = name.rpartition(".")
+                owner = module.get_submodule(owner) if owner else module
+                owner._parameters[leaf] = p.detach()
+                swapped.append((owner, leaf, p))
+        self._detached[id(module)] = swapped
+
+    def _restore(self, module) -> None:
+        swapped = self._detached.pop(id(module), None)
+        if swapped:
+            for owner, leaf, p in swapped:
+                owner._parameters[leaf] = p
 
     def _warn_replaced(self, module, claimed) -> None:
         for name, p in claimed:
@@ -485,6 +535,10 @@ class GradEngine:
             raise UnsupportedLayerError("\n".join(problems))
         self._verify = False
         _remove_all(self._verify_handles)
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:

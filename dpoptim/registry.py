@@ -60,7 +60,17 @@ class Use:
 
 
 class Rule:
-    """Base class for per-layer rules. Subclass it and decorate with :func:`register_rule`."""
+    """Base class for per-layer rules. Subclass it and decorate with :func:`register_rule`.
+
+    ``detach_parameters = True`` lets the engine hide all but the smallest of the module's
+    parameters from autograd during the forward pass, so autograd does not compute weight
+    gradients the rule computes anyway ("ghost differentiation"). Set it only when the
+    module's forward reads its parameters through ``module._parameters`` at call time
+    (true for layers calling ``F.linear``/``F.conv*`` on ``self.weight``; false for fused
+    RNNs, which keep their own list of weight references).
+    """
+
+    detach_parameters = False
 
     def parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
         """The parameters this rule accounts for, by name relative to ``module``."""

@@ -24,6 +24,8 @@ from ._common import batched, ghost_or_materialize, rows_by_example
 
 @register_rule(nn.Linear)
 class LinearRule(Rule):
+    detach_parameters = True
+
     def save(self, module, args, kwargs, output):
         return batched(args[0], module, "input")
 
