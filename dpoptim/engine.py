@@ -178,6 +178,7 @@ class GradEngine:
         self.reset()
         self.detach_parameters = True
         self._detached: dict[int, list] = {}
+        self._ghosts: set[int] = set()  # parameters autograd no longer reaches through their module
         self._handles += [
             nn.modules.module.register_module_forward_pre_hook(functools.partial(_forward_pre_hook, self._ref)),
             nn.modules.module.register_module_forward_hook(
@@ -301,6 +302,7 @@ class GradEngine:
                 owner = module.get_submodule(owner) if owner else module
                 owner._parameters[leaf] = p.detach()
                 swapped.append((owner, leaf, p))
+                self._ghosts.add(id(p))
         self._detached[id(module)] = swapped
 
     def _restore(self, module) -> None:
@@ -386,6 +388,8 @@ class GradEngine:
         for pid, p in group.accumulated.items():
             if pid not in counts:
                 self._errors.append(self._uncovered_message(p))
+            elif pid in self._ghosts:
+                self._errors.append(f"{self._describe(p)}: {_USED_ELSEWHERE}")
         if not group.uses:
             return
 
@@ -525,16 +529,20 @@ class GradEngine:
             if error > tol * (reference.norm() + raw.norm()) + 1e-30:
                 problems.append(
                     f"{self._describe(p)}: the gradient its rule sees differs from autograd's "
-                    f"(relative error {float(error / (reference.norm() + 1e-30)):.2e}). It is used "
-                    "somewhere dpoptim cannot see (a functional call on the weight, a loss term on "
-                    "the parameters), or its module's rule is wrong. Route every use through a module "
-                    "with a rule; put weight penalties in the optimizer's weight_decay."
+                    f"(relative error {float(error / (reference.norm() + 1e-30)):.2e}). {_USED_ELSEWHERE}"
                 )
         if problems:
             self.reset()
             raise UnsupportedLayerError("\n".join(problems))
         self._verify = False
         _remove_all(self._verify_handles)
+
+
+_USED_ELSEWHERE = (
+    "It is used somewhere dpoptim cannot see (a functional call on the weight, a loss term on "
+    "the parameters), or its module's rule is wrong. Route every use through a module with a "
+    "rule; put weight penalties in the optimizer's weight_decay."
+)
 
 
 def _distributed() -> bool:

@@ -247,3 +247,18 @@ def test_training_through_eval_mode_modules_warns_once():
     with w.catch_warnings():
         w.simplefilter("error")
         model(torch.randn(2, 3)).sum().backward()
+
+
+def test_parameter_reused_outside_its_module_after_the_first_step_is_detected():
+    model = RawUse()
+    opt = make_opt(model.parameters())
+    x = torch.randn(5, 4)
+    opt.zero_grad()
+    model.lin(x).square().sum().backward()  # first step: only the module uses the weight
+    opt.step()
+    opt.zero_grad()
+    model(x).square().sum().backward()  # now also a functional use
+    before = model.lin.weight.detach().clone()
+    with pytest.raises(UnsupportedLayerError, match="used somewhere dpoptim cannot see"):
+        opt.step()
+    assert torch.equal(model.lin.weight, before)
