@@ -76,6 +76,10 @@ class Rule:
         """The parameters this rule accounts for, by name relative to ``module``."""
         return {name: p for name, p in module._parameters.items() if p is not None}
 
+    def check(self, module: nn.Module) -> None:
+        """Called before each forward pass with gradients on: raise here to refuse a
+        configuration before the forward changes anything."""
+
     def save(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """What to keep from the forward call (by default its positional inputs)."""
         return args

@@ -3,7 +3,9 @@ import os
 import torch
 from hypothesis import HealthCheck, settings
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One thread per xdist worker: two workers on two cores each wanting two threads slow
+# small ops down many times over.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 
 settings.register_profile(
     "default", max_examples=25, deadline=None,

@@ -1,3 +1,6 @@
 """Built-in rules, one file per layer family. Importing this package registers them."""
 
+from . import conv  # noqa: F401
+from . import embedding  # noqa: F401
 from . import linear  # noqa: F401
+from . import norm  # noqa: F401

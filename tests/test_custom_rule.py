@@ -1,0 +1,84 @@
+"""The custom-rule example of docs/rules.md: the same code, checked against the oracle."""
+
+import math
+import pathlib
+import re
+
+import torch
+from hypothesis import given, strategies as st
+from torch import nn
+
+import dpoptim
+from oracle import check_rule_case
+
+# --- example from docs/rules.md ---
+class Scale(nn.Module):
+    """A learnable scale per feature: y = x * weight, over any leading dimensions."""
+
+    def __init__(self, features):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(features))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+@dpoptim.register_rule(Scale)
+class ScaleRule(dpoptim.Rule):
+    # forward() reads self.weight when it runs, so the engine may hand it a detached alias
+    # and let autograd skip the weight gradient this rule computes anyway.
+    detach_parameters = True
+
+    def save(self, module, args, kwargs, output):
+        x = args[0]
+        if x.dim() < 2:
+            raise ValueError(f"Scale needs a batch dimension in front, got shape {tuple(x.shape)}")
+        return x.detach()
+
+    def per_example(self, use, names):
+        x, b = use.saved, use.grad_outputs[0]  # b = dL/dy, the same shape as x
+        n, features = x.shape[0], x.shape[-1]
+        positions = math.prod(x.shape[1:-1])  # tokens, pixels...: 1 for a plain [n, features]
+        wide = torch.promote_types(x.dtype, torch.float32)  # accumulate in float32 or wider
+        # g_i = sum over the positions of example i of x * b  ->  [n, features]
+        g = (x.to(wide) * b.to(wide)).reshape(n, positions, features).sum(1)
+        return {"weight": g}
+# --- end of example ---
+
+
+def mse(out, target):
+    return 0.5 * (out - target).flatten(1).square().sum(1)
+
+
+@given(
+    n=st.integers(0, 4),
+    lead=st.lists(st.integers(1, 3), max_size=2),
+    features=st.integers(1, 5),
+    reduction=st.sampled_from(["mean", "sum"]),
+    clip=st.sampled_from([None, 1e6]),
+)
+def test_scale_rule_matches_oracle(n, lead, features, reduction, clip):
+    g = torch.Generator().manual_seed(n + 7 * features)
+    x = torch.randn(n, *lead, features, generator=g, dtype=torch.float64)
+    y = torch.randn(n, 2, generator=g, dtype=torch.float64)
+    width = features * (1 if not lead else torch.Size(lead).numel())
+
+    def make():
+        scale = Scale(features).double()
+        with torch.no_grad():
+            scale.weight.normal_()
+        return nn.Sequential(nn.Linear(features, features).double(), scale, nn.Tanh(), nn.Flatten(),
+                             nn.Linear(width, 2).double())
+
+    check_rule_case(make, (x,), y, lambda m, x: m(x), mse, max_grad_norm=clip, reduction=reduction)
+
+
+def test_docs_show_this_code():
+    """docs/rules.md must show exactly the example tested here."""
+    here = pathlib.Path(__file__).read_text()
+    tested = here.split("# --- example from docs/rules.md ---\n")[1].split("# --- end of example ---")[0]
+    docs = (pathlib.Path(__file__).parents[1] / "docs" / "rules.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", docs, flags=re.S)
+    # The docs add the imports this module has at its top.
+    code = ["\n".join(line for line in b.splitlines() if not line.startswith(("import ", "from "))) for b in blocks]
+    assert any(tested.strip() in c for c in code), "docs/rules.md and tests/test_custom_rule.py differ"

@@ -1,0 +1,224 @@
+"""nn.Embedding against the brute-force oracle over drawn shapes and options."""
+
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+from torch import nn
+
+import dpoptim
+from oracle import check_rule_case
+
+
+def mse(out, target):
+    return 0.5 * (out - target).flatten(1).square().sum(1)
+
+
+@given(
+    n=st.integers(0, 4),
+    lead=st.lists(st.integers(1, 4), min_size=0, max_size=2),
+    rows=st.integers(1, 6),
+    dim=st.integers(1, 4),
+    padding=st.one_of(st.none(), st.integers(-6, 5)),
+    sparse=st.booleans(),
+    reduction=st.sampled_from(["mean", "sum"]),
+    clip=st.sampled_from([None, 1e6]),
+)
+def test_embedding_matches_oracle(n, lead, rows, dim, padding, sparse, reduction, clip):
+    padding_idx = None if padding is None else padding % rows - (rows if padding < 0 else 0)
+    g = torch.Generator().manual_seed(n * 17 + rows * 5 + dim)
+    # Few rows, so repeated indices (and padding positions) are common.
+    x = torch.randint(0, rows, (n, *lead), generator=g)
+    y = torch.randn(n, 2, generator=g, dtype=torch.float64)
+    positions = math.prod(lead)
+
+    def make():
+        emb = nn.Embedding(rows, dim, padding_idx=padding_idx, sparse=sparse).double()
+        return nn.Sequential(emb, nn.Tanh(), nn.Flatten(1), nn.Linear(positions * dim, 2).double())
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dpoptim.PrivacyWarning)  # eval-mode and loader warnings
+        check_rule_case(make, (x,), y, lambda m, x: m(x), mse, max_grad_norm=clip, reduction=reduction)
+
+
+class TiedLM(nn.Module):
+    """Embedding and output layer share one weight: two rules contribute to one parameter."""
+
+    def __init__(self, rows=5, dim=3, padding_idx=0):
+        super().__init__()
+        self.emb = nn.Embedding(rows, dim, padding_idx=padding_idx)
+        self.mix = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, rows, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.mix(self.emb(x))))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_tied_embedding_matches_oracle(reduction):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randint(0, 5, (4, 6), generator=g)
+    y = torch.randn(4, 6, 5, generator=g, dtype=torch.float64)
+    check_rule_case(lambda: TiedLM().double(), (x,), y, lambda m, x: m(x), mse, reduction=reduction)
+
+
+def _optimizer(module):
+    return dpoptim.DPSGD(module.parameters(), lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0,
+                         expected_batch_size=4, sample_rate=0.1)
+
+
+def test_scale_grad_by_freq_is_refused_at_forward():
+    emb = nn.Embedding(5, 3, scale_grad_by_freq=True)
+    opt = _optimizer(emb)  # noqa: F841 (its engine lives as long as it does)
+    with pytest.raises(ValueError, match=r"Embedding\(5, 3, scale_grad_by_freq=True\).*scale_grad_by_freq=False"):
+        emb(torch.tensor([[1, 2, 2]]))
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Embedding(5, 3, max_norm=1.0), lambda: nn.EmbeddingBag(5, 3, max_norm=1.0)])
+def test_max_norm_is_refused_because_it_renormalises_the_batch_rows(make):
+    emb = make()
+    before = emb.weight.detach().clone()
+    opt = _optimizer(emb)  # noqa: F841
+    with pytest.raises(ValueError, match="max_norm=None"):
+        emb(torch.tensor([[1, 2]]))
+    assert torch.equal(emb.weight, before)
+
+
+def test_unbatched_index_is_refused():
+    emb = nn.Embedding(5, 3)
+    opt = _optimizer(emb)  # noqa: F841
+    with pytest.raises(ValueError, match="unbatched"):
+        emb(torch.tensor(1))
+
+
+def test_padding_row_gets_nothing():
+    # Noise off: the padding row must not move at all, even with every example using it.
+    emb = nn.Embedding(4, 2, padding_idx=3)
+    model = nn.Sequential(emb, nn.Flatten(1), nn.Linear(6, 1))
+    opt = dpoptim.DPSGD(model.parameters(), lr=1.0, noise_multiplier=0.0, max_grad_norm=0.1,
+                        expected_batch_size=3, sample_rate=0.1)
+    before = emb.weight.detach().clone()
+    model(torch.tensor([[3, 1, 3], [0, 3, 3], [3, 3, 3]])).sum().backward()
+    opt.step()
+    assert torch.equal(emb.weight[3], before[3])
+    assert not torch.equal(emb.weight[:3], before[:3])
+
+
+class _Bag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8, padding_idx=0, sparse=True)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.emb(x)).mean(1))
+
+
+@pytest.mark.filterwarnings("ignore::dpoptim.PrivacyWarning")  # fixed-size batches here
+def test_embedding_model_trains_with_noise():
+    torch.manual_seed(0)
+    x = torch.randint(0, 20, (32, 6))
+    y = (x >= 10).sum(1).gt(3).long()
+    model = _Bag()
+    opt = dpoptim.DPSGD(model.parameters(), lr=2.0, noise_multiplier=0.5, max_grad_norm=1.0,
+                        expected_batch_size=32, sample_rate=0.5, generator=torch.Generator().manual_seed(1))
+    loss_fn = nn.CrossEntropyLoss()
+    with torch.no_grad():
+        first = float(loss_fn(model(x), y))
+    for _ in range(20):
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    with torch.no_grad():
+        assert float(loss_fn(model(x), y)) < 0.7 * first
+
+
+class BagModel(nn.Module):
+    """EmbeddingBag -> tanh -> Linear, fed either a 2-D batch of equal-length bags or, from
+    the same padded batch, a flat 1-D input with offsets (ragged bags, some empty)."""
+
+    def __init__(self, rows, dim, offsets, include_last, **options):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(rows, dim, include_last_offset=include_last, **options)
+        self.head = nn.Linear(dim, 2)
+        self.offsets = offsets
+
+    def forward(self, x, lengths, weights):
+        with_weights = self.bag.mode == "sum" and weights is not None
+        if not self.offsets:
+            return self.head(torch.tanh(self.bag(x, per_sample_weights=weights if with_weights else None)))
+        keep = torch.arange(x.shape[1]) < lengths.unsqueeze(1)
+        ends = lengths.cumsum(0)
+        starts = torch.cat([ends.new_zeros(1), ends if self.bag.include_last_offset else ends[:-1]])
+        out = self.bag(x[keep], starts, per_sample_weights=weights[keep] if with_weights else None)
+        return self.head(torch.tanh(out))
+
+
+@given(
+    n=st.integers(0, 4),
+    length=st.integers(1, 4),
+    rows=st.integers(1, 6),
+    dim=st.integers(1, 4),
+    mode=st.sampled_from(["sum", "mean", "max"]),
+    padding=st.one_of(st.none(), st.integers(0, 5)),
+    offsets=st.booleans(),
+    include_last=st.booleans(),
+    weighted=st.booleans(),
+    sparse=st.booleans(),
+    reduction=st.sampled_from(["mean", "sum"]),
+    clip=st.sampled_from([None, 1e6]),
+)
+def test_embedding_bag_matches_oracle(n, length, rows, dim, mode, padding, offsets, include_last, weighted,
+                                      sparse, reduction, clip):
+    g = torch.Generator().manual_seed(n * 19 + rows * 3 + length)
+    x = torch.randint(0, rows, (n, length), generator=g)
+    lengths = torch.randint(0, length + 1, (n,), generator=g) if offsets else torch.full((n,), length)
+    weights = torch.randn(n, length, generator=g, dtype=torch.float64) if weighted else torch.ones(n, length, dtype=torch.float64)
+    y = torch.randn(n, 2, generator=g, dtype=torch.float64)
+    options = dict(mode=mode, padding_idx=None if padding is None else padding % rows,
+                   sparse=sparse and mode != "max")  # torch has no sparse gradient for 'max'
+
+    def make():
+        model = BagModel(rows, dim, offsets, include_last and offsets, **options).double()
+        return model
+
+    def forward(model, x, lengths, weights):
+        return model(x, lengths, weights if weighted else None)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dpoptim.PrivacyWarning)
+        check_rule_case(make, (x, lengths, weights), y, forward, mse, max_grad_norm=clip, reduction=reduction)
+
+
+def test_embedding_bag_scale_grad_by_freq_is_refused():
+    bag = nn.EmbeddingBag(5, 3, scale_grad_by_freq=True)
+    opt = _optimizer(bag)  # noqa: F841
+    with pytest.raises(ValueError, match="scale_grad_by_freq=False"):
+        bag(torch.tensor([[1, 2, 2]]))
+
+
+class TiedBag(nn.Module):
+    """EmbeddingBag whose weight is also the output layer's: exercises per_example."""
+
+    def __init__(self, mode):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(6, 3, mode=mode, padding_idx=2)
+        self.out = nn.Linear(3, 6, bias=False)
+        self.out.weight = self.bag.weight
+
+    def forward(self, x, lengths):
+        keep = torch.arange(x.shape[1]) < lengths.unsqueeze(1)
+        starts = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
+        return self.out(torch.tanh(self.bag(x[keep], starts)))
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_tied_embedding_bag_matches_oracle(mode):
+    g = torch.Generator().manual_seed(11)
+    x = torch.randint(0, 6, (5, 4), generator=g)
+    lengths = torch.tensor([4, 0, 2, 3, 1])
+    y = torch.randn(5, 6, generator=g, dtype=torch.float64)
+    check_rule_case(lambda: TiedBag(mode).double(), (x, lengths), y, lambda m, x, lengths: m(x, lengths), mse)
