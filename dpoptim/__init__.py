@@ -5,7 +5,7 @@ Swap ``torch.optim.SGD`` for :class:`dpoptim.DPSGD` (or :class:`DPAdam`,
 ``max_grad_norm``, train as before, and ask ``optimizer.privacy_spent()``.
 """
 
-from . import rules  # noqa: F401  (registers the built-in layer rules)
+from . import data, rules  # noqa: F401  (rules registers the built-in layer rules)
 from .batchnorm import replace_batchnorm
 from .errors import PrivacyBudgetExceeded, PrivacyWarning, UnsupportedLayerError
 from .optimizer import DPAdam, DPOptimizerMixin, DPRMSProp, DPSGD, PrivacySpent, make_private

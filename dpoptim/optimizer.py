@@ -17,25 +17,36 @@ Poisson-subsampled Gaussian mechanism ``(sigma, q)`` in the optimizer's privacy 
 With ``loss_reduction='mean'`` (the default) the loss is taken to be the mean over each
 physical batch passed to ``backward()``; per-example gradients are recovered by
 multiplying by that batch's size. Use ``'sum'`` for losses summed over examples.
+
+Under ``torch.distributed`` the sum runs over the examples of all ranks: each rank clips its
+own, rank 0 adds the noise, the sums are all-reduced and every rank divides by the global
+``B`` (see :mod:`dpoptim.distributed`). With a ``torch.amp.GradScaler`` the loss scale is
+divided out of every per-example gradient before its norm is taken. docs/training.md shows
+the training loops.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import sys
 import warnings
 import weakref
 from typing import NamedTuple
 
 import torch
 
+from . import distributed
 from .engine import GradEngine
 from .errors import PrivacyBudgetExceeded, PrivacyWarning
-from .privatize import fresh_generator, noisy_average
+from .privatize import add_noise_, fresh_generator
 
 __all__ = ["DPOptimizerMixin", "make_private", "DPSGD", "DPAdam", "DPRMSProp", "PrivacySpent"]
 
 _LOSS_REDUCTIONS = ("mean", "sum")
 _DEFAULT_DELTA = 1e-5
+# Steps with the same batch size after which Poisson sampling is implausible (see _watch_batch_size).
+_FIXED_SIZE_STEPS = 32
 
 
 class PrivacySpent(NamedTuple):
@@ -90,6 +101,17 @@ class DPOptimizerMixin:
     delta, accountant
         Defaults for :meth:`privacy_spent`: delta (default 1e-5; a warning if it is not
         below 1/dataset_size) and ``'pld'`` (tight) or ``'rdp'``.
+    grad_scaler
+        The ``torch.amp.GradScaler`` whose scaled losses are backpropagated (float16 mixed
+        precision). Its scale is divided out of each per-example gradient before clipping,
+        and it never sees an overflow: an example whose gradient overflows is dropped
+        (clip factor 0) and the step is still taken, noised and charged, so neither the
+        step nor the scale depends on the data. Prefer a fixed scale
+        (``growth_interval=2**31 - 1``): a growing one is never backed off.
+    process_group
+        Under ``torch.distributed``, the ranks that train this model together (default: the
+        default group once initialized with more than one process; ``False``: this process
+        alone). ``expected_batch_size`` and ``sample_rate`` are then global.
     max_epsilon
         If set, :meth:`step` raises :class:`PrivacyBudgetExceeded` instead of taking a step
         that would spend more than this (at ``delta``). Defaults to ``target_epsilon``.
@@ -115,6 +137,8 @@ class DPOptimizerMixin:
         target_epsilon: float | None = None,
         steps: int | None = None,
         epochs: float | None = None,
+        grad_scaler=None,
+        process_group=None,
         **kwargs,
     ):
         if loss_reduction not in _LOSS_REDUCTIONS:
@@ -155,6 +179,7 @@ class DPOptimizerMixin:
             )
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        _check_grad_scaler(grad_scaler)
 
         if noise_multiplier is None:
             if target_epsilon is None:
@@ -174,7 +199,8 @@ class DPOptimizerMixin:
             raise ValueError(f"max_epsilon must be > 0, got {max_epsilon}")
 
         this = weakref.ref(self)  # the engine must not keep the optimizer alive
-        self._engine = GradEngine(lambda: this().max_grad_norm, loss_reduction)
+        self._grad_scaler = grad_scaler
+        self._engine = GradEngine(lambda: this()._clip_bound_for_backward(), loss_reduction)
         super().__init__(params, *args, **kwargs)
         for group in self.param_groups:
             group.setdefault("noise_multiplier", noise_multiplier)
@@ -191,6 +217,8 @@ class DPOptimizerMixin:
         self._generators: dict[torch.device, torch.Generator] = {}
         self._ledger: list[list] = []  # runs of [sigma, q, count]
         self._budget_cache: tuple | None = None
+        self._process_group = process_group
+        self._size_watch = [None, 0, False]  # last batch size, steps with it, warned
 
     # ----------------------------------------------------------------- hyperparameters
     def add_param_group(self, param_group: dict) -> None:
@@ -243,9 +271,31 @@ class DPOptimizerMixin:
             generator = self._generators[device] = fresh_generator(device)
         return generator
 
+    # torch.amp.GradScaler then hands step() to us instead of skipping it on overflow.
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
     def step(self, closure=None):
-        """Clip, add noise, divide by the expected batch size, then the torch update."""
+        """Clip, add noise, divide by the expected batch size, then the torch update.
+
+        Always takes the step: nothing here depends on the values of the gradients.
+        """
+        # GradScaler.step sets these for fused optimizers that unscale and skip themselves;
+        # our gradients are already unscaled and a skip would depend on the data, so the
+        # torch update below must not see them.
+        amp_attributes = {k: self.__dict__.pop(k) for k in ("grad_scale", "found_inf") if k in self.__dict__}
+        try:
+            return self._dp_step(closure, called_by_scaler=bool(amp_attributes))
+        finally:
+            self.__dict__.update(amp_attributes)
+
+    def _dp_step(self, closure, called_by_scaler: bool):
+        if called_by_scaler and self._grad_scaler is None:
+            raise RuntimeError(
+                "GradScaler.step(optimizer) was called, but the optimizer does not know the scaler, "
+                "so per-example gradients were clipped with the loss scale still in them. Pass "
+                "grad_scaler=scaler when creating the optimizer."
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -257,7 +307,11 @@ class DPOptimizerMixin:
         if not (batch > 0 and math.isfinite(batch)):
             raise ValueError(f"expected_batch_size must be a finite number > 0, got {batch}")
         self._check_budget(sigma, q)
-        sums = self._engine.clipped_sums()
+        loss_scale = self._loss_scale()
+        sums = self._engine.clipped_sums()  # in loss-scaled units; raises if C changed since backward
+        examples = self._engine.examples
+        process_group = distributed.resolve_group(self._process_group)
+        rank, world = distributed.rank_and_size(process_group)
 
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         by_device: dict[torch.device, list] = {}
@@ -266,14 +320,94 @@ class DPOptimizerMixin:
             if s is None:
                 s = torch.zeros_like(p, memory_format=torch.preserve_format)
             by_device.setdefault(p.device, []).append((p, s))
-        for device, pairs in by_device.items():
-            grads = noisy_average([s for _, s in pairs], sigma, bound, batch, self._generator_for(device))
-            for (p, _), g in zip(pairs, grads):
+        grads = [s for pairs in by_device.values() for _, s in pairs]
+        if loss_scale != 1.0 and grads:
+            torch._foreach_div_(grads, loss_scale)
+        if rank == 0:  # the noise enters once, before the sum over ranks
+            for device, pairs in by_device.items():
+                add_noise_([s for _, s in pairs], sigma, bound, self._generator_for(device))
+        if process_group is not None:
+            settings = {"noise_multiplier": sigma, "max_grad_norm": bound, "sample_rate": q,
+                        "expected_batch_size": batch}
+            distributed.all_reduce_sum_(grads, process_group, settings)
+        if grads:
+            torch._foreach_div_(grads, batch)
+        for pairs in by_device.values():
+            for p, g in pairs:
                 p.grad = g
         self._engine.reset()
         super().step()
         self._record(sigma, q)
+        self._report_no_overflow()
+        self._watch_batch_size(examples, q, batch / world)
         return loss
+
+    # ----------------------------------------------------------------- mixed precision
+    def _loss_scale(self) -> float:
+        scaler = self._grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return 1.0
+        scale = float(scaler.get_scale())
+        if not (scale > 0 and math.isfinite(scale)):
+            raise ValueError(f"the GradScaler's scale is {scale}; it must be a finite number > 0")
+        return scale
+
+    def _clip_bound_for_backward(self) -> float:
+        """The bound the engine clips backward's gradients to: C in loss-scaled units.
+
+        ``min(1, C S / ||S g_i||) = min(1, C / ||g_i||)``, so the factors are those of the
+        unscaled gradients; :meth:`step` divides the sums by S before the noise. The engine
+        reads this at the end of every backward and again in ``step``, so a scale changed in
+        between (``scaler.update()`` before ``step``) is refused like a changed C.
+        """
+        return self.max_grad_norm * self._loss_scale()
+
+    def _report_no_overflow(self) -> None:
+        """Tell the GradScaler that nothing overflowed, whatever the data did.
+
+        ``scaler.update()`` backs the scale off after an overflow it found in autograd's
+        gradients; that would make the scale, which decides which examples overflow next,
+        a function of the private data. The step has already dropped any overflowing
+        example (clip factor 0), so there is nothing to back off from.
+        """
+        scaler = self._grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return
+        if not (hasattr(scaler, "_scale") and isinstance(getattr(scaler, "_per_optimizer_states", None), dict)):
+            raise RuntimeError(
+                f"dpoptim does not know how this {type(scaler).__name__} records overflows, so it cannot "
+                "keep the loss scale independent of the data. Use torch.amp.GradScaler."
+            )
+        scale = scaler._scale
+        if scale is None:
+            return  # the scaler has not scaled anything yet
+        states = scaler._per_optimizer_states
+        zero = torch.zeros((), dtype=torch.float32, device=scale.device)
+        states[id(self)]["found_inf_per_device"] = {scale.device: zero}
+
+    # ----------------------------------------------------------------- data loading
+    def _watch_batch_size(self, examples: int, q: float, local_expected: float) -> None:
+        """Warn once if the batch size looks fixed while the accounting assumes Poisson sampling.
+
+        Under Poisson sampling with variance ``B (1 - q) >= 1`` two batches have the same
+        size with probability below about 0.4, so 32 equal sizes in a row happen by chance
+        with probability below 1e-12: the batches come from a fixed-size loader.
+        """
+        last, run, warned = self._size_watch
+        if warned or q >= 1 or examples == 0:
+            return
+        run = run + 1 if examples == last else 1
+        self._size_watch = [examples, run, False]
+        if run >= _FIXED_SIZE_STEPS and local_expected * (1 - q) >= 1:
+            self._size_watch[2] = True
+            warnings.warn(
+                f"the last {run} batches all had {examples} examples, but the privacy accounting "
+                f"assumes Poisson sampling (sample_rate={q}), whose batch sizes vary. A shuffled "
+                "fixed-size DataLoader is a different mechanism and the reported epsilon does not "
+                "apply to it. Use dpoptim.data.poisson_loader(dataset, sample_rate=q).",
+                PrivacyWarning,
+                stacklevel=_caller_stacklevel(),
+            )
 
     # ----------------------------------------------------------------- accounting
     def _record(self, sigma: float, q: float) -> None:
@@ -331,6 +465,7 @@ class DPOptimizerMixin:
         state = super().state_dict()
         state["dpoptim"] = {
             "ledger": [list(run) for run in self._ledger],
+            "steps_taken": self.steps_taken,
             "expected_batch_size": self.expected_batch_size,
             "sample_rate": self.sample_rate,
             "max_epsilon": self.max_epsilon,
@@ -349,8 +484,11 @@ class DPOptimizerMixin:
                 "this state_dict has no 'dpoptim' entry (privacy ledger): it was not saved by a "
                 "dpoptim optimizer, and resuming from it would under-report epsilon"
             )
+        ledger = [list(run) for run in dp["ledger"]]
+        if "steps_taken" in dp and dp["steps_taken"] != sum(run[2] for run in ledger):
+            raise ValueError("this state_dict's privacy ledger does not add up to its step count: it is corrupted")
         super().load_state_dict(state_dict)
-        self._ledger = [list(run) for run in dp["ledger"]]
+        self._ledger = ledger
         self.expected_batch_size = dp["expected_batch_size"]
         self.sample_rate = dp["sample_rate"]
         self.max_epsilon = dp["max_epsilon"]
@@ -358,6 +496,33 @@ class DPOptimizerMixin:
         self._budget_cache = None
         if dp.get("generator") is not None and self._user_generator is not None:
             self._user_generator.set_state(dp["generator"])
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside dpoptim and torch (the user's step() call,
+    however many wrappers torch and LR schedulers put around it)."""
+    skip = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _check_grad_scaler(scaler) -> None:
+    if scaler is None:
+        return
+    if not all(hasattr(scaler, name) for name in ("scale", "get_scale", "is_enabled", "update")):
+        raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+    if scaler.is_enabled() and scaler.get_growth_interval() < 2**31 - 1:
+        warnings.warn(
+            f"this GradScaler multiplies its scale by {scaler.get_growth_factor()} every "
+            f"{scaler.get_growth_interval()} steps and, under "
+            "dpoptim, never backs off (backing off on overflow would make the scale depend on the "
+            "data): after enough steps every example overflows and is dropped. Use a fixed scale: "
+            "GradScaler(init_scale=2.0**12, growth_interval=2**31 - 1).",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 _CACHE: dict[type, type] = {}

@@ -15,7 +15,7 @@ import secrets
 
 import torch
 
-__all__ = ["clip_factors", "noisy_average", "fresh_generator"]
+__all__ = ["clip_factors", "add_noise_", "noisy_average", "fresh_generator"]
 
 
 def clip_factors(squared_norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
@@ -30,14 +30,13 @@ def clip_factors(squared_norms: torch.Tensor, max_grad_norm: float) -> torch.Ten
     return torch.where(torch.isfinite(squared_norms), factors, torch.zeros_like(factors))
 
 
-def noisy_average(
+def add_noise_(
     clipped_sums: list[torch.Tensor],
     noise_multiplier: float,
     max_grad_norm: float,
-    expected_batch_size: float,
     generator: torch.Generator,
 ) -> list[torch.Tensor]:
-    """``(S + N(0, sigma^2 C^2)) / B`` for each clipped sum S, in place.
+    """``S + N(0, sigma^2 C^2 I)`` for each clipped sum S, in place.
 
     Noise is drawn on the generator's device in the sums' dtype and moved if needed, so a
     seeded generator gives the same noise wherever the parameters live.
@@ -47,6 +46,18 @@ def noisy_average(
         for s in clipped_sums:
             z = torch.randn(s.shape, generator=generator, device=generator.device, dtype=s.dtype)
             s.add_(z.to(s.device, non_blocking=True), alpha=std)
+    return clipped_sums
+
+
+def noisy_average(
+    clipped_sums: list[torch.Tensor],
+    noise_multiplier: float,
+    max_grad_norm: float,
+    expected_batch_size: float,
+    generator: torch.Generator,
+) -> list[torch.Tensor]:
+    """``(S + N(0, sigma^2 C^2 I)) / B`` for each clipped sum S, in place."""
+    add_noise_(clipped_sums, noise_multiplier, max_grad_norm, generator)
     if clipped_sums:
         torch._foreach_div_(clipped_sums, float(expected_batch_size))
     return clipped_sums
