@@ -258,3 +258,19 @@ def test_every_example_contributes_at_most_c(n, scale):
     opt.step()
     delta = torch.sqrt(sum((b - p).square().sum() for b, p in zip(before, model.parameters())))
     assert delta <= n * 0.05 * (1 + 1e-9)
+
+
+def test_secure_mode_keeps_the_noise_scale_and_refuses_a_fixed_generator():
+    sigma, clip, b = 0.9, 1.5, 3.0
+    model = zero_loss_model()
+    opt = dpoptim.DPSGD(model.parameters(), lr=1.0, noise_multiplier=sigma, max_grad_norm=clip,
+                        expected_batch_size=b, sample_rate=0.01, secure_mode=True)
+    opt.zero_grad()
+    model(torch.zeros(2, 20000, dtype=torch.float64)).sum().backward()
+    opt.step()
+    noise = -model.weight.detach().flatten()
+    n = noise.numel()
+    assert abs(noise.var().item() / (sigma * clip / b) ** 2 - 1) < 6 * math.sqrt(2 / n)
+    with pytest.raises(ValueError, match="secure_mode"):
+        dpoptim.DPSGD(nn.Linear(2, 2).parameters(), lr=1.0, noise_multiplier=1.0, max_grad_norm=1.0,
+                      expected_batch_size=1, sample_rate=0.1, secure_mode=True, generator=torch.Generator())
