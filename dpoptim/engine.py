@@ -298,7 +298,8 @@ class GradEngine:
         live = [(n, p) for n, p in decision[1] if p.requires_grad]
         if len(live) < 2 or _distributed():
             return
-        keep = min(live, key=lambda item: item[1].numel())[1]
+        chosen = dict(live).get(decision[0].attached(module, [n for n, _ in live]))
+        keep = chosen if chosen is not None else min(live, key=lambda item: item[1].numel())[1]
         swapped = []
         for name, p in live:
             if p is not keep:
@@ -317,7 +318,8 @@ class GradEngine:
 
     def _warn_replaced(self, module, claimed) -> None:
         for name, p in claimed:
-            if module._parameters.get(name) is not p:
+            owner, _, leaf = name.rpartition(".")  # a rule may claim a child's parameter
+            if module.get_submodule(owner)._parameters.get(leaf) is not p:
                 warnings.warn(
                     f"parameter '{name}' of {type(module).__name__} was replaced after the optimizer was "
                     "built; the new one is not in the optimizer and will not be trained. Build the "
@@ -418,12 +420,23 @@ class GradEngine:
             return [n for n, p in record.params if counts[id(p)] == 1]
 
         squared = []
+        sizes = set()
         for record, use in uses:
             names = own(record)
             if names:
-                squared.extend(self._checked_norms(record, use, names))
+                norms = self._checked_norms(record, use, names)
+                sizes.add((type(record.module).__name__, norms[0].shape[0]))
+                squared.extend(norms)
         shared = self._shared_per_example(uses, counts)
         squared.extend(g.flatten(1).square().sum(1) for g in shared.values())
+        if len({s.shape[0] for s in squared}) > 1:
+            found = ", ".join(f"{name}: {n}" for name, n in sorted(sizes))
+            raise RuntimeError(
+                f"the layers of one backward() disagree on the number of examples ({found}): a "
+                "layer received a tensor whose first dimension is not the batch, such as a sequence-first "
+                "[T, n, d] output. Per-example rules read examples from dimension 0: use batch_first=True "
+                "or transpose before such layers."
+            )
         total = functools.reduce(torch.add, (_wide(s) for s in squared))
 
         n = total.shape[0]

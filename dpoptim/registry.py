@@ -80,6 +80,11 @@ class Rule:
         """Called before each forward pass with gradients on: raise here to refuse a
         configuration before the forward changes anything."""
 
+    def attached(self, module: nn.Module, names: list[str]) -> str | None:
+        """With ``detach_parameters``: the one parameter (of ``names``) to leave attached
+        during the forward, so that every output still has a graph. None: the smallest."""
+        return None
+
     def save(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """What to keep from the forward call (by default its positional inputs)."""
         return args

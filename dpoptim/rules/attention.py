@@ -1,0 +1,274 @@
+"""``nn.MultiheadAttention``, and with it ``nn.TransformerEncoderLayer``,
+``nn.TransformerDecoderLayer`` and ``nn.Transformer``.
+
+Attention (Vaswani et al. 2017, "Attention is all you need") for one example, per head:
+
+    ``q = X_q W_q^T + b_q``, ``k = X_k W_k^T + b_k``, ``v = X_v W_v^T + b_v``,
+    ``P = softmax(q k^T / sqrt(d_head) + mask)``, ``A = P v``,
+    ``Y = A W_o^T + b_o``      (heads concatenated in ``A``)
+
+Every weight is a Linear map applied to every token, so its per-example gradient is the
+Linear one with a row per token (:mod:`._factored`): ``g_i(W_q) = sum_t dq_t x_t^T`` and so
+on, ``g_i(W_o) = sum_t dY_t A_t^T``. ``dY`` arrives from autograd; ``A``, ``dq``, ``dk``,
+``dv`` do not, because ``F.multi_head_attention_forward`` keeps them inside. The rule
+saves the module's inputs and masks at forward time and, at the end of the backward pass,
+recomputes ``q, k, v, P, A`` with the weights detached and backpropagates ``dY`` through
+the attention by hand:
+
+    ``dA = dY W_o``, ``dv = P^T dA``, ``dP = dA v^T``,
+    ``dS = P . (dP - rowsum(P . dP))``, ``dq = dS k / sqrt(d_head)``,
+    ``dk = dS^T q / sqrt(d_head)``.
+
+When the attention weights are returned and used in the loss, their gradient joins
+``dP``. ``add_bias_kv`` appends one learned key/value token: its per-example gradient is
+that token's row of ``dk``/``dv``. ``add_zero_attn`` appends a zero token (no parameter).
+Masks are applied as PyTorch does: boolean masks become ``-inf``, ``key_padding_mask``
+is added to ``attn_mask``, and ``is_causal`` (without a padding mask, without
+``need_weights``) means the lower-triangular mask of ``scaled_dot_product_attention``.
+
+The module calls ``F.multi_head_attention_forward`` with ``out_proj.weight`` directly,
+so the ``out_proj`` Linear's own hooks never fire: this rule claims ``out_proj.weight``
+and ``out_proj.bias``.
+
+Cost: the projections and the attention once more forward and once backward without
+weight gradients (about the attention's own forward and backward), then ghost or
+materialised norms per weight and one product per weight for the clipped sum.
+
+``nn.TransformerEncoderLayer``/``DecoderLayer`` get a guard, not a rule: with
+``batch_first=False`` their Linear and LayerNorm children would see ``[T, n, d]`` and
+read positions as examples, so that layout is refused before the forward.
+
+Not supported, with an error before the forward runs: attention dropout (``dropout > 0``) in
+training mode. Its mask is drawn inside the fused attention kernel, where no hook can
+see it. Set the attention's dropout to 0 (``layer.self_attn.dropout = 0.0`` in a
+Transformer layer); the layer's other dropouts (after attention, in the feed-forward
+block) are ``nn.Dropout`` modules and stay exact. Unbatched inputs are refused too.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..registry import Rule, register_rule
+from ._common import common_dtype
+from ._factored import Factored, FactoredRule, bias_block, weight_block
+
+__all__ = ["MultiheadAttentionRule", "TransformerLayerGuard"]
+
+_SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
+
+
+def _as_float_mask(mask: torch.Tensor | None, dtype) -> torch.Tensor | None:
+    """PyTorch's canonical mask: booleans become 0 / -inf, floats are added as they are."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[n, T, E] -> [n * heads, T, E / heads]``, contiguous for ``bmm``."""
+    n, T, E = t.shape
+    return t.reshape(n, T, heads, E // heads).transpose(1, 2).reshape(n * heads, T, E // heads)
+
+
+def _merge(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[n * heads, T, d] -> [n, T, heads * d]``."""
+    nh, T, d = t.shape
+    return t.view(nh // heads, heads, T, d).transpose(1, 2).reshape(nh // heads, T, heads * d)
+
+
+@register_rule(nn.MultiheadAttention)
+class MultiheadAttentionRule(FactoredRule):
+    """Replays the attention from the saved inputs and backpropagates through it by hand."""
+
+    # Ghost differentiation (the engine detaches every parameter but one during the
+    # forward) needs the attached one to reach *both* outputs: the attention weights depend
+    # on the query and key projections only, so with out_proj.bias, the engine's default
+    # pick, they would come back without a graph and a loss on them would lose its
+    # gradient, so the rule picks it (Rule.attached).
+    detach_parameters = True
+
+    def attached(self, module, names):
+        """The parameter to leave attached: the smallest one both outputs depend on."""
+        for name in ("bias_k", "in_proj_bias", "k_proj_weight", "in_proj_weight"):
+            if name in names:
+                return name
+        return None
+
+    def check(self, module):
+        if module.training and module.dropout > 0:
+            raise ValueError(
+                f"MultiheadAttention(dropout={module.dropout}) in training mode drops attention weights "
+                "with a mask drawn inside PyTorch's attention kernel, which no hook can see, so its "
+                "per-example gradients cannot be computed exactly. Set the attention dropout to 0 "
+                "(mha.dropout = 0.0; in a Transformer layer, layer.self_attn.dropout = 0.0 and "
+                "layer.multihead_attn.dropout = 0.0): the layer's other dropouts are nn.Dropout "
+                "modules and keep working."
+            )
+
+    def parameters(self, module):
+        params = super().parameters(module)
+        params["out_proj.weight"] = module.out_proj.weight
+        if module.out_proj.bias is not None:
+            params["out_proj.bias"] = module.out_proj.bias
+        return params
+
+    def save(self, module, args, kwargs, output):
+        bound = _SIGNATURE.bind(module, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        query, key, value = a["query"], a["key"], a["value"]
+        if query.dim() != 3:
+            raise ValueError(
+                f"MultiheadAttention got an unbatched query of shape {tuple(query.shape)}: per-example "
+                "clipping needs a batch dimension to tell examples apart. Add one with "
+                f"query.unsqueeze({0 if module.batch_first else 1}) (and to key, value and the masks)."
+            )
+
+        def batch_major(t):
+            return t.detach() if module.batch_first else t.detach().transpose(0, 1)
+
+        detach = lambda m: None if m is None else m.detach()  # noqa: E731
+        return {
+            "query": batch_major(query), "key": batch_major(key), "value": batch_major(value),
+            "same_qk": query is key, "same_kv": key is value,
+            "key_padding_mask": detach(a["key_padding_mask"]), "attn_mask": detach(a["attn_mask"]),
+            "need_weights": a["need_weights"], "average": a["average_attn_weights"],
+            "is_causal": a["is_causal"],
+        }
+
+    def factors(self, use):
+        m, s = use.module, use.saved
+        E, heads = m.embed_dim, m.num_heads
+        packed = m._qkv_same_embed_dim
+        weights = [m.in_proj_weight] if packed else [m.q_proj_weight, m.k_proj_weight, m.v_proj_weight]
+        dtype = common_dtype(s["query"], *weights)
+        xq, xk, xv = (s[name].to(dtype) for name in ("query", "key", "value"))
+        n, L, S = xq.shape[0], xq.shape[1], xk.shape[1]
+        detach = lambda p: None if p is None else p.detach().to(dtype)  # noqa: E731
+
+        # One projection when query, key and value are one tensor (self-attention).
+        fused = packed and s["same_qk"] and s["same_kv"] and m.bias_k is None and not m.add_zero_attn
+        if fused:
+            qkv = F.linear(xq, detach(m.in_proj_weight), detach(m.in_proj_bias))
+            q, k, v = qkv.view(n, L, 3, heads, E // heads).permute(2, 0, 3, 1, 4).reshape(3, n * heads, L, E // heads)
+        else:
+            w_q, w_k, w_v = detach(m.in_proj_weight).chunk(3) if packed else map(detach, weights)
+            b_q, b_k, b_v = detach(m.in_proj_bias).chunk(3) if m.in_proj_bias is not None else (None,) * 3
+            q, k, v = F.linear(xq, w_q, b_q), F.linear(xk, w_k, b_k), F.linear(xv, w_v, b_v)
+            if m.bias_k is not None:
+                k = torch.cat([k, detach(m.bias_k).expand(n, 1, E)], dim=1)
+                v = torch.cat([v, detach(m.bias_v).expand(n, 1, E)], dim=1)
+            q, k, v = _heads(q, heads), _heads(k, heads), _heads(v, heads)  # [n * heads, T, d_head]
+            if m.add_zero_attn:
+                k = torch.cat([k, k.new_zeros(n * heads, 1, k.shape[-1])], dim=1)
+                v = torch.cat([v, v.new_zeros(n * heads, 1, v.shape[-1])], dim=1)
+        S_total = k.shape[1]
+        mask = self._mask(s, n, heads, L, S_total, m, dtype, q.device)
+
+        scale = 1.0 / math.sqrt(E // heads)
+        # bmm is much slower on CPU with a transposed second operand: transpose by copy.
+        scores = torch.bmm(q, k.transpose(1, 2).contiguous()).mul_(scale)
+        if mask is not None:
+            scores = (scores.view(n, heads, L, S_total) + mask).view(n * heads, L, S_total)
+        P = torch.softmax(scores, dim=-1)
+        A = _merge(torch.bmm(P, v), heads)  # [n, L, E]
+
+        dY = use.grad_outputs[0]
+        dY = torch.zeros(n, L, E, dtype=dtype, device=q.device) if dY is None else dY.to(dtype)
+        if not m.batch_first:
+            dY = dY.transpose(0, 1)
+        dA = _heads(torch.matmul(dY, detach(m.out_proj.weight)), heads)
+        dP = torch.bmm(dA, v.transpose(1, 2).contiguous())
+        if len(use.grad_outputs) > 1 and use.grad_outputs[1] is not None:
+            dW = use.grad_outputs[1].to(dtype)  # [n, L, S'] averaged over heads, else [n, heads, L, S']
+            dP = (dP.view(n, heads, L, S_total) + (dW.unsqueeze(1) / heads if s["average"] else dW)).view_as(dP)
+        dS = P * (dP - (P * dP).sum(-1, keepdim=True))
+        dS *= scale
+        if fused:  # dq, dk, dv per head in one buffer, then one copy to [n, L, (q|k|v), heads, d_head]
+            d_heads = q.new_empty(3, *q.shape)
+            torch.bmm(dS, k, out=d_heads[0])
+            torch.bmm(dS.transpose(1, 2), q, out=d_heads[1])
+            torch.bmm(P.transpose(1, 2), dA, out=d_heads[2])
+            dqkv = d_heads.view(3, n, heads, L, E // heads).permute(1, 3, 0, 2, 4).reshape(n, L, 3 * E)
+            dq, dk, dv = dqkv.split(E, dim=-1)
+        else:
+            d_heads = torch.bmm(dS, k), torch.bmm(dS.transpose(1, 2), q), torch.bmm(P.transpose(1, 2), dA)
+            dq, dk, dv = (_merge(t, heads) for t in d_heads)  # [n, T, E]
+
+        factors = {"out_proj.weight": Factored([weight_block(A, dY)], m.out_proj.weight.shape)}
+        if m.out_proj.bias is not None:
+            factors["out_proj.bias"] = Factored([bias_block(dY)], m.out_proj.bias.shape)
+        if m.bias_k is not None:
+            factors["bias_k"] = Factored([bias_block(dk[:, S:S + 1])], m.bias_k.shape)
+            factors["bias_v"] = Factored([bias_block(dv[:, S:S + 1])], m.bias_v.shape)
+        dk, dv = dk[:, :S], dv[:, :S]
+        if packed:
+            if fused:  # self-attention: one input, one block
+                blocks = [weight_block(xq, dqkv)]
+            elif s["same_qk"] and s["same_kv"]:
+                blocks = [weight_block(xq, torch.cat([dq, dk, dv], dim=-1))]
+            elif s["same_kv"]:
+                blocks = [weight_block(xq, dq), weight_block(xk, torch.cat([dk, dv], dim=-1))]
+            else:
+                blocks = [weight_block(xq, dq), weight_block(xk, dk), weight_block(xv, dv)]
+            factors["in_proj_weight"] = Factored(blocks, m.in_proj_weight.shape)
+        else:
+            for name, x, d in (("q_proj_weight", xq, dq), ("k_proj_weight", xk, dk), ("v_proj_weight", xv, dv)):
+                factors[name] = Factored([weight_block(x, d)], getattr(m, name).shape)
+        if m.in_proj_bias is not None:
+            blocks = [bias_block(dqkv)] if fused else [bias_block(dq), bias_block(dk), bias_block(dv)]
+            factors["in_proj_bias"] = Factored(blocks, m.in_proj_bias.shape)
+        return factors
+
+    @staticmethod
+    def _mask(saved, n, heads, L, S_total, module, dtype, device):
+        """The additive mask ``[n or 1, heads or 1, L, S_total]`` that
+        ``F.multi_head_attention_forward`` applies, or None."""
+        padding = _as_float_mask(saved["key_padding_mask"], dtype)
+        if saved["is_causal"] and padding is None and not saved["need_weights"]:
+            # PyTorch drops attn_mask here and asks scaled_dot_product_attention for its
+            # own causal mask (top-left aligned over the keys, extra tokens included).
+            allowed = torch.ones(L, S_total, dtype=torch.bool, device=device).tril()
+            return _as_float_mask(~allowed, dtype)
+        mask = _as_float_mask(saved["attn_mask"], dtype)
+        extra = int(module.bias_k is not None) + int(module.add_zero_attn)
+        if mask is not None:
+            mask = mask.unsqueeze(0).unsqueeze(0) if mask.dim() == 2 else mask.reshape(n, heads, L, mask.shape[-1])
+            mask = F.pad(mask, (0, extra))
+        if padding is not None:
+            padding = F.pad(padding, (0, extra)).reshape(n, 1, 1, S_total)
+            mask = padding if mask is None else mask + padding
+        return mask
+
+
+@register_rule(nn.TransformerEncoderLayer)
+@register_rule(nn.TransformerDecoderLayer)
+class TransformerLayerGuard(Rule):
+    """Owns no parameters (its children's rules do); refuses the sequence-first layout.
+
+    With ``batch_first=False`` a Transformer layer hands ``[T, n, d]`` activations to its
+    ``Linear`` and ``LayerNorm`` children, whose rules take the examples from the first
+    dimension: positions would be clipped as if they were examples, silently wrong when
+    ``T == n``. The attention rule itself handles either layout.
+    """
+
+    def parameters(self, module):
+        if not module.self_attn.batch_first and any(p.requires_grad for p in module.parameters()):
+            raise ValueError(
+                f"nn.{type(module).__name__}(batch_first=False) passes [T, n, d] activations to its "
+                "Linear and LayerNorm layers, whose per-example rules take the batch from the first "
+                "dimension, so positions would be clipped as if they were examples. Build it (or the "
+                "nn.Transformer) with batch_first=True and feed [n, T, d] inputs (x.transpose(0, 1))."
+            )
+        return {}
+
+    def per_example(self, use, names):
+        return {}

@@ -1,0 +1,243 @@
+"""Recurrent layers: ``nn.RNN`` (tanh, relu), ``nn.LSTM`` (with ``proj_size``), ``nn.GRU``
+and their cells ``nn.RNNCell``, ``nn.LSTMCell``, ``nn.GRUCell``.
+
+A recurrent weight is applied once per time step, so for example i it has the gradient
+of a Linear layer with one row per step (REFERENCE.md, "RNN cell used T times"):
+
+    ``dL/dW_ih = sum_t dz_t x_t^T``,   ``dL/dW_hh = sum_t dz'_t h_{t-1}^T``,
+    ``dL/db_ih = sum_t dz_t``,         ``dL/db_hh = sum_t dz'_t``,
+
+where ``dz_t``/``dz'_t`` are the gradients of the input and hidden halves of step t's
+gate pre-activations (:mod:`._recurrence`); an LSTM projection adds
+``dL/dW_hr = sum_t dh_t m_t^T``. Norms take the ghost or materialised route by cost and
+the clipped sum is one matrix product per weight (:mod:`._factored`).
+
+**Whole-sequence modules** run a fused kernel whose gates no hook can see. The rule keeps
+the user's module and kernel: it saves the inputs and initial states at forward time, and
+at the end of the backward pass replays the recurrence from them with the weights
+detached and backpropagates through time by hand, starting from the gradients autograd
+delivered to ``output``, ``h_n`` and ``c_n``. Every ``num_layers``, ``bidirectional``,
+``batch_first``, ``bias``, ``proj_size``, given or default initial states, and
+``PackedSequence`` inputs (the example is the sequence, in the order the batch had before
+packing) are exact. Cost: about one more forward and one weight-free backward of the layer.
+
+Not supported, with an error before the forward runs: ``dropout > 0`` between stacked layers in
+training mode. The kernel draws those dropout masks inside itself; they cannot be
+recovered from anything a hook sees, and without them the replay would not be exact.
+Stack single-layer modules with ``nn.Dropout`` between them instead (same model, same
+cost); in eval mode the dropout is off and the stacked module is fine.
+
+**Cells** are called by the user, step by step. Each call is one use; a cell called T
+times in one forward pass shares its weights across T uses, which the engine sums per
+example before the norm (cross terms included). One use needs no replay beyond the
+cell's own gate values, recomputed from its saved input and state.
+
+Unbatched inputs (no batch dimension) are refused: the batch dimension is what tells one
+example from another.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
+
+from ..registry import register_rule
+from ._common import common_dtype
+from ._factored import Factored, FactoredRule, bias_block, weight_block
+from ._recurrence import LayerWeights, Recurrence, replay_stack
+
+__all__ = ["RecurrentRule", "CellRule"]
+
+
+def _detach(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach()
+    if isinstance(x, PackedSequence):
+        return x._replace(data=x.data.detach())
+    if isinstance(x, (tuple, list)):
+        return type(x)(_detach(v) for v in x)
+    return x
+
+
+def _unbatched(module, shape) -> ValueError:
+    return ValueError(
+        f"{type(module).__name__} got an unbatched input of shape {tuple(shape)}: per-example "
+        "clipping needs a batch dimension to tell examples apart. Add one with x.unsqueeze("
+        f"{0 if getattr(module, 'batch_first', True) else 1}) (and to the initial state)."
+    )
+
+
+def _consumes(later: torch.Tensor, earlier: torch.Tensor, depth: int = 3) -> bool:
+    """Whether autograd computed ``later`` from the tensor ``earlier`` within ``depth`` ops."""
+    if later.grad_fn is None or earlier.grad_fn is None:
+        return False
+    target = (earlier.grad_fn, earlier.output_nr)
+    frontier = [later.grad_fn]
+    for _ in range(depth):
+        edges = [edge for node in frontier for edge in node.next_functions if edge[0] is not None]
+        if any(fn is target[0] and nr == target[1] for fn, nr in edges):
+            return True
+        frontier = [fn for fn, _ in edges]
+    return False
+
+
+def _bound(args, kwargs, index, name):
+    if len(args) > index:
+        return args[index]
+    return kwargs.get(name)
+
+
+# ---------------------------------------------------------------------------- whole sequences
+@register_rule(nn.RNN)
+@register_rule(nn.LSTM)
+@register_rule(nn.GRU)
+class RecurrentRule(FactoredRule):
+    """``nn.RNN``, ``nn.LSTM``, ``nn.GRU``: replay and back-propagation through time."""
+
+    def check(self, module):
+        if module.training and module.dropout > 0 and module.num_layers > 1:
+            raise ValueError(
+                f"{type(module).__name__}(num_layers={module.num_layers}, dropout={module.dropout}) in "
+                "training mode drops units between its layers with masks drawn inside PyTorch's fused "
+                "kernel, which no hook can see, so its per-example gradients cannot be computed exactly. "
+                f"Stack {module.num_layers} single-layer {type(module).__name__}s with nn.Dropout("
+                f"{module.dropout}) between them (dpoptim clips that exactly), or set dropout=0."
+            )
+
+    def save(self, module, args, kwargs, output):
+        x = _bound(args, kwargs, 0, "input")
+        hx = _bound(args, kwargs, 1, "hx")
+        if not isinstance(x, PackedSequence) and x.dim() != 3:
+            raise _unbatched(module, x.shape)
+        out = output[0]
+        return _detach(x), _detach(hx), (out.data if isinstance(out, PackedSequence) else out).detach()
+
+    def outputs(self, module, output):
+        out, hidden = output
+        data = out.data if isinstance(out, PackedSequence) else out
+        return [data, *(hidden if isinstance(hidden, tuple) else (hidden,))]
+
+    def factors(self, use):
+        module = use.module
+        x, hx, out = use.saved
+        lstm = module.mode == "LSTM"
+        directions = 2 if module.bidirectional else 1
+        H_out = module.proj_size if module.proj_size > 0 else module.hidden_size
+        dtype = common_dtype(x.data, module.weight_ih_l0)
+        grad_out = use.grad_outputs[0]
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+
+        # Time-major and padded, examples in the order the user's batch had.
+        if isinstance(x, PackedSequence):
+            inputs, lengths = pad_packed_sequence(x)
+            output, _ = pad_packed_sequence(x._replace(data=out))
+            d_output, _ = pad_packed_sequence(x._replace(data=grad_out))
+        else:
+            time_major = (lambda t: t.transpose(0, 1)) if module.batch_first else (lambda t: t)
+            inputs, output, d_output, lengths = time_major(x), time_major(out), time_major(grad_out), None
+        inputs, output, d_output = inputs.to(dtype), output.to(dtype), d_output.to(dtype)
+        n = inputs.shape[1]
+
+        states = module.num_layers * directions
+        h0, c0 = (hx if lstm else (hx, None)) if hx is not None else (None, None)
+        h0 = inputs.new_zeros(states, n, H_out) if h0 is None else h0.to(dtype)
+        if lstm:
+            c0 = inputs.new_zeros(states, n, module.hidden_size) if c0 is None else c0.to(dtype)
+        def grad_or_zeros(index, like):
+            g = use.grad_outputs[index] if index < len(use.grad_outputs) else None
+            return torch.zeros_like(like) if g is None else g.to(dtype)
+
+        dh_n = grad_or_zeros(1, h0)
+        dc_n = grad_or_zeros(2, c0) if lstm else None
+
+        suffixes = {(layer, d): f"_l{layer}" + ("_reverse" if d else "")
+                    for layer in range(module.num_layers) for d in range(directions)}
+        weights = [[LayerWeights(*(self._weight(module, kind + suffixes[layer, d], dtype)
+                                   for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr")))
+                    for d in range(directions)] for layer in range(module.num_layers)]
+
+        replayed = replay_stack(module.mode, inputs, h0, c0, weights, module.num_layers, module.bidirectional,
+                                lengths, output, d_output, dh_n, dc_n)
+        factors = {}
+        for key, (x_in, h_prev, m, dgi, dgh, dproj, rows) in replayed.items():
+            # Time-major rows (batch_dim=1). For RNN and LSTM dgh is dgi, one object, so
+            # the norms compute its Gram matrix once and the clipped sums share one product.
+            joint = (None, None) if rows is None else ((rows, 0), (rows, x_in.shape[-1]))
+            for kind, blocks in (
+                ("weight_ih", [weight_block(x_in, dgi, batch_dim=1, joint=joint[0])]),
+                ("weight_hh", [weight_block(h_prev, dgh, batch_dim=1, joint=joint[1])]),
+                ("bias_ih", [bias_block(dgi, batch_dim=1)]),
+                ("bias_hh", [bias_block(dgh, batch_dim=1)]),
+                ("weight_hr", [weight_block(m, dproj, batch_dim=1)] if dproj is not None else None),
+            ):
+                p = getattr(module, kind + suffixes[key], None)
+                if blocks is not None and p is not None:
+                    factors[kind + suffixes[key]] = Factored(blocks, p.shape)
+        return factors
+
+    @staticmethod
+    def _weight(module, name, dtype):
+        p = getattr(module, name, None)
+        return None if p is None else p.detach().to(dtype)
+
+
+# ---------------------------------------------------------------------------- cells
+_CELL_MODES = {nn.LSTMCell: "LSTM", nn.GRUCell: "GRU"}
+
+
+@register_rule(nn.RNNCell)
+@register_rule(nn.LSTMCell)
+@register_rule(nn.GRUCell)
+class CellRule(FactoredRule):
+    """``nn.RNNCell``, ``nn.LSTMCell``, ``nn.GRUCell``: one step, one use."""
+
+    detach_parameters = True  # the forward reads self.weight_ih, ... at call time
+
+    @staticmethod
+    def _mode(module):
+        for cls, mode in _CELL_MODES.items():
+            if isinstance(module, cls):
+                return mode
+        return "RNN_TANH" if module.nonlinearity == "tanh" else "RNN_RELU"
+
+    def save(self, module, args, kwargs, output):
+        x = _bound(args, kwargs, 0, "input")
+        if x.dim() != 2:
+            raise _unbatched(module, x.shape)
+        # LSTMCell returns (h', c'). Where autograd records the cell op by op (CPU), h' is
+        # computed from the c' tensor, so the gradient a hook sees on c' already holds the
+        # path through h'; a fused kernel (CUDA) returns both from one node and it does not.
+        dc_is_total = isinstance(output, tuple) and _consumes(output[0], output[1])
+        return x.detach(), _detach(_bound(args, kwargs, 1, "hx")), dc_is_total
+
+    def factors(self, use):
+        module = use.module
+        mode = self._mode(module)
+        x, hx, dc_is_total = use.saved
+        dtype = common_dtype(x, module.weight_ih)
+        x = x.to(dtype)
+        n, H = x.shape[0], module.hidden_size
+        h, c = (hx if mode == "LSTM" else (hx, None)) if hx is not None else (None, None)
+        h = x.new_zeros(n, H) if h is None else h.to(dtype)
+        if mode == "LSTM":
+            c = x.new_zeros(n, H) if c is None else c.to(dtype)
+        weights = LayerWeights(*(None if p is None else p.detach().to(dtype)
+                                 for p in (module.weight_ih, module.weight_hh, module.bias_ih, module.bias_hh)))
+        step = Recurrence(mode, x.unsqueeze(0), h, c, weights)
+
+        grads = [None if g is None else g.to(dtype) for g in use.grad_outputs]
+        dh = grads[0] if grads[0] is not None else h.new_zeros(n, H)
+        dc = None
+        if mode == "LSTM":
+            dc = grads[1] if len(grads) > 1 and grads[1] is not None else h.new_zeros(n, H)
+        dgi, dgh, _ = step.backward(dh.unsqueeze(0), torch.zeros_like(dh), dc, dc_is_total)
+        factors = {  # one time step, time-major: [1, n, .]
+            "weight_ih": Factored([weight_block(x.unsqueeze(0), dgi, batch_dim=1)], module.weight_ih.shape),
+            "weight_hh": Factored([weight_block(h.unsqueeze(0), dgh, batch_dim=1)], module.weight_hh.shape),
+        }
+        if module.bias:
+            factors["bias_ih"] = Factored([bias_block(dgi, batch_dim=1)], module.bias_ih.shape)
+            factors["bias_hh"] = Factored([bias_block(dgh, batch_dim=1)], module.bias_hh.shape)
+        return factors

@@ -1,0 +1,287 @@
+"""nn.MultiheadAttention and the Transformer layers built on it against the brute-force oracle."""
+
+import pytest
+import torch
+from hypothesis import assume, given, strategies as st
+from torch import nn
+
+import dpoptim
+import dpoptim.rules.attention  # noqa: F401  (registers the rule until dpoptim.rules imports it)
+from oracle import check_rule_case
+
+F64 = torch.float64
+
+
+def mse(out, target):
+    return 0.5 * (out - target).flatten(1).square().sum(1)
+
+
+def _randn(g, *shape):
+    return torch.randn(*shape, generator=g, dtype=F64)
+
+
+attention_configs = st.fixed_dictionaries({
+    "shape": st.sampled_from([(4, 1), (4, 2), (6, 3), (8, 2)]),  # (embed_dim, num_heads)
+    "inputs": st.sampled_from(["self", "shared_kv", "cross", "kdim_vdim"]),
+    "bias": st.booleans(),
+    "add_bias_kv": st.booleans(),
+    "add_zero_attn": st.booleans(),
+    "batch_first": st.booleans(),
+    "padding_mask": st.sampled_from([None, "bool", "float"]),
+    "attn_mask": st.sampled_from([None, "2d", "3d", "bool", "causal"]),
+    "need_weights": st.booleans(),
+    "average": st.booleans(),
+    "weights_in_loss": st.booleans(),
+    "n": st.integers(0, 3),
+    "L": st.integers(1, 4),
+    "S": st.integers(1, 4),
+    "reduction": st.sampled_from(["mean", "sum"]),
+})
+
+
+@given(cfg=attention_configs, seed=st.integers(0, 2**16))
+def test_multihead_attention_matches_oracle(cfg, seed):
+    E, heads = cfg["shape"]
+    g = torch.Generator().manual_seed(seed)
+    n, L = cfg["n"], cfg["L"]
+    S = cfg["S"] if cfg["inputs"] in ("cross", "kdim_vdim") else L
+    kdim, vdim = (3, 5) if cfg["inputs"] == "kdim_vdim" else (None, None)
+    bf = cfg["batch_first"]
+    causal = cfg["attn_mask"] == "causal"
+    padding, mask_kind = cfg["padding_mask"], cfg["attn_mask"]
+    if mask_kind in ("bool", "causal") and padding == "float" or mask_kind in ("2d", "3d") and padding == "bool":
+        padding = None  # PyTorch wants both masks of one kind
+
+    def make():
+        return nn.MultiheadAttention(E, heads, bias=cfg["bias"], add_bias_kv=cfg["add_bias_kv"],
+                                     add_zero_attn=cfg["add_zero_attn"], kdim=kdim, vdim=vdim,
+                                     batch_first=bf).double()
+
+    # Inputs in the order forward() takes them, each with its batch dimension.
+    seq = lambda T, d: _randn(g, n, T, d) if bf else _randn(g, T, n, d)  # noqa: E731
+    inputs, dims = [seq(L, E)], [0 if bf else 1]
+    if cfg["inputs"] == "shared_kv":
+        inputs.append(seq(S, E)), dims.append(0 if bf else 1)
+    elif cfg["inputs"] in ("cross", "kdim_vdim"):
+        inputs += [seq(S, kdim or E), seq(S, vdim or E)]
+        dims += [0 if bf else 1] * 2
+    if padding is not None:
+        ignored = torch.rand(n, S, generator=g) < 0.4
+        ignored[:, 0] = False  # every query keeps a key: no all -inf row
+        inputs.append(ignored if padding == "bool" else torch.where(ignored, -1e9, 0.0).double() + _randn(g, n, S))
+        dims.append(0)
+    shared_mask = None
+    if mask_kind == "3d":
+        inputs.append(_randn(g, n, heads, L, S)), dims.append(0)
+    elif mask_kind == "2d":
+        shared_mask = _randn(g, L, S)
+    elif mask_kind in ("bool", "causal"):
+        shared_mask = torch.ones(L, S, dtype=torch.bool).triu(1)  # key 0 is always allowed
+
+    def forward(m, query, *rest):
+        rest = list(rest)
+        key = value = query
+        if cfg["inputs"] == "shared_kv":
+            key = value = rest.pop(0)
+        elif cfg["inputs"] in ("cross", "kdim_vdim"):
+            key, value = rest.pop(0), rest.pop(0)
+        key_padding_mask = rest.pop(0) if padding is not None else None
+        attn_mask = shared_mask
+        if mask_kind == "3d":
+            attn_mask = rest.pop(0).flatten(0, 1)  # [n * heads, L, S]
+        out, weights = m(query, key, value, key_padding_mask=key_padding_mask, need_weights=cfg["need_weights"],
+                         attn_mask=attn_mask, average_attn_weights=cfg["average"], is_causal=causal)
+        parts = [(out if bf else out.transpose(0, 1)).flatten(1)]
+        if cfg["need_weights"] and cfg["weights_in_loss"]:
+            parts.append(weights.flatten(1))
+        return torch.cat(parts, 1)
+
+    try:
+        width = forward(make(), *inputs).shape[1]
+    except RuntimeError:
+        assume(n > 0)  # PyTorch itself cannot run some masks on an empty batch
+        raise
+    y = _randn(g, n, width)
+    check_rule_case(make, tuple(inputs), y, forward, mse, batch_dims=tuple(dims), reduction=cfg["reduction"])
+
+
+def _freeze_norms_without_rule(model):
+    """LayerNorm has its own rule (rules/norm.py); without it, freeze the norms so the test
+    still isolates attention."""
+    if dpoptim.rule_for(nn.LayerNorm(2)) is None:
+        for module in model.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.requires_grad_(False)
+    return model
+
+
+transformer_configs = st.fixed_dictionaries({
+    "layer": st.sampled_from(["encoder", "decoder", "transformer"]),
+    "norm_first": st.booleans(),
+    "activation": st.sampled_from(["relu", "gelu"]),
+    "bias": st.booleans(),
+    "masks": st.booleans(),
+    "n": st.integers(1, 3),
+    "T": st.integers(1, 3),
+})
+
+
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
+@given(cfg=transformer_configs, seed=st.integers(0, 2**16))
+def test_transformer_layers_match_oracle(cfg, seed):
+    """Batch-first only: the layers' Linear and LayerNorm rules read examples from dim 0."""
+    d, heads, T, n, bf = 4, 2, cfg["T"], cfg["n"], True
+    g = torch.Generator().manual_seed(seed)
+    common = dict(dim_feedforward=6, dropout=0.0, activation=cfg["activation"], batch_first=bf,
+                  norm_first=cfg["norm_first"], bias=cfg["bias"])
+
+    def make():
+        if cfg["layer"] == "encoder":
+            layer = nn.TransformerEncoderLayer(d, heads, **common)
+        elif cfg["layer"] == "decoder":
+            layer = nn.TransformerDecoderLayer(d, heads, **common)
+        else:
+            layer = nn.Transformer(d, heads, num_encoder_layers=1, num_decoder_layers=1, **common)
+        return _freeze_norms_without_rule(layer.double())
+
+    seq = lambda: _randn(g, n, T, d) if bf else _randn(g, T, n, d)  # noqa: E731
+    inputs, dims = (seq(), seq()), (0 if bf else 1,) * 2
+    causal = nn.Transformer.generate_square_subsequent_mask(T, dtype=F64) if cfg["masks"] else None
+    padding = torch.zeros(n, T, dtype=torch.bool)
+    if cfg["masks"] and T > 1:
+        padding[:, -1] = torch.rand(n, generator=g) < 0.5
+
+    def forward(m, src, tgt, pad):
+        pad = pad if cfg["masks"] else None
+        if cfg["layer"] == "encoder":
+            out = m(src, src_mask=causal, src_key_padding_mask=pad, is_causal=cfg["masks"])
+        elif cfg["layer"] == "decoder":
+            out = m(tgt, src, tgt_mask=causal, memory_key_padding_mask=pad, tgt_is_causal=cfg["masks"])
+        else:
+            out = m(src, tgt, tgt_mask=causal, src_key_padding_mask=pad, memory_key_padding_mask=pad)
+        return (out if bf else out.transpose(0, 1)).flatten(1)
+
+    inputs, dims = inputs + (padding,), dims + (0,)
+    y = _randn(g, n, T * d)
+    check_rule_case(make, inputs, y, forward, mse, batch_dims=dims)
+
+
+@pytest.mark.parametrize("layer", ["encoder", "decoder"])
+def test_sequence_first_transformer_layers_are_refused(layer):
+    cls = nn.TransformerEncoderLayer if layer == "encoder" else nn.TransformerDecoderLayer
+    model = cls(4, 2, dim_feedforward=8, dropout=0.0)
+    opt = dpoptim.DPSGD(model.parameters(), lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0,
+                        expected_batch_size=2, sample_rate=0.1)
+    x = torch.randn(3, 2, 4)
+    with pytest.raises(ValueError, match="batch_first=True"):
+        model(x) if layer == "encoder" else model(x, x)
+    del opt
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_cuda_attention_matches_oracle(need_weights):
+    g = torch.Generator().manual_seed(8)
+    cuda = torch.device("cuda")
+    x = _randn(g, 3, 4, 8).to(cuda)
+    y = _randn(g, 3, 32).to(cuda)
+    mask = torch.ones(4, 4, dtype=torch.bool, device=cuda).triu(1)
+
+    def forward(m, x):
+        return m(x, x, x, attn_mask=mask, need_weights=need_weights, is_causal=True)[0].flatten(1)
+
+    make = lambda: nn.MultiheadAttention(8, 2, batch_first=True).double().to(cuda)  # noqa: E731
+    check_rule_case(make, (x,), y, forward, mse)
+
+
+def test_attention_called_twice_with_accumulation():
+    """Splits into micro-batches; the module is also used twice per forward (shared)."""
+    g = torch.Generator().manual_seed(3)
+    x = _randn(g, 5, 3, 4)
+    y = _randn(g, 5, 12)
+
+    def forward(m, x):
+        h, _ = m(x, x, x, need_weights=False)
+        h, _ = m(h, x, x)
+        return h.flatten(1)
+
+    make = lambda: nn.MultiheadAttention(4, 2, batch_first=True, add_bias_kv=True).double()  # noqa: E731
+    check_rule_case(make, (x,), y, forward, mse, splits=[2, 0, 3])
+
+
+@pytest.mark.parametrize("frozen", ["in_proj_weight", "out_proj"])
+def test_partly_frozen_attention(frozen):
+    g = torch.Generator().manual_seed(10)
+    x = _randn(g, 4, 3, 4)
+    y = _randn(g, 4, 12)
+
+    def make():
+        m = nn.MultiheadAttention(4, 2, batch_first=True).double()
+        if frozen == "out_proj":
+            m.out_proj.requires_grad_(False)
+        else:
+            m.in_proj_weight.requires_grad_(False)
+        return m
+
+    check_rule_case(make, (x,), y, lambda m, x: m(x, x, x)[0].flatten(1), mse)
+
+
+def test_attention_dropout_in_training_is_refused():
+    layer = nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.1, batch_first=True)
+    opt = dpoptim.DPSGD(layer.parameters(), lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0,
+                        expected_batch_size=2, sample_rate=0.1)
+    with pytest.raises(ValueError, match="self_attn.dropout = 0.0"):
+        layer(torch.randn(2, 3, 4))
+    layer.self_attn.dropout = 0.0  # the fix the error names: the layer's other dropouts stay
+    layer(torch.randn(2, 3, 4)).sum().backward()
+    opt.step()
+
+
+def test_unbatched_attention_is_refused():
+    mha = nn.MultiheadAttention(4, 2)
+    opt = dpoptim.DPSGD(mha.parameters(), lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0,
+                        expected_batch_size=2, sample_rate=0.1)
+    with pytest.raises(ValueError, match="batch dimension"):
+        mha(torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4))
+    del opt
+
+
+@pytest.mark.filterwarnings("ignore::dpoptim.PrivacyWarning")  # fixed-size batches, not Poisson
+def test_transformer_training_with_noise_lowers_the_loss():
+    """Copy task: predict each token of a random sequence from a causal encoder."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    vocab, d, T = 8, 16, 6
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, d)
+            self.position = nn.Embedding(T, d)
+            layer = nn.TransformerEncoderLayer(d, 2, dim_feedforward=32, dropout=0.1, batch_first=True)
+            layer.self_attn.dropout = 0.0
+            self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+            self.head = nn.Linear(d, vocab)
+
+        def forward(self, tokens):
+            positions = torch.arange(tokens.shape[1]).expand_as(tokens)  # per example, so its rule sees the batch
+            h = self.embed(tokens) + self.position(positions)
+            return self.head(self.encoder(h))
+
+    model = _freeze_norms_without_rule(Model())
+    if dpoptim.rule_for(model.embed) is None:
+        model.embed.requires_grad_(False)
+        model.position.requires_grad_(False)
+    opt = dpoptim.DPAdam([p for p in model.parameters() if p.requires_grad], lr=0.01, noise_multiplier=0.3,
+                         max_grad_norm=1.0, expected_batch_size=64, sample_rate=0.01,
+                         generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(40):
+        tokens = torch.randint(vocab, (64, T), generator=g)
+        loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    first, last = sum(losses[:5]) / 5, sum(losses[-10:]) / 10
+    assert last < 0.8 * first, f"loss {first:.3f} -> {last:.3f}"

@@ -1,0 +1,374 @@
+"""nn.RNN / nn.LSTM / nn.GRU and their cells against the brute-force oracle."""
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+from torch import nn
+from torch.nn.utils.rnn import pack_sequence, pad_packed_sequence
+
+import dpoptim
+import dpoptim.rules.rnn  # noqa: F401  (registers the rules until dpoptim.rules imports them)
+from oracle import check_rule_case, clipped_sum, dp_clipped_sum
+
+F64 = torch.float64
+
+
+def mse(out, target):
+    return 0.5 * (out - target).flatten(1).square().sum(1)
+
+
+def make_module(kind, d, H, **kw):
+    if kind == "lstm":
+        return nn.LSTM(d, H, **kw)
+    if kind == "gru":
+        kw.pop("proj_size", None)
+        return nn.GRU(d, H, **kw)
+    kw.pop("proj_size", None)
+    return nn.RNN(d, H, nonlinearity="relu" if kind == "relu" else "tanh", **kw)
+
+
+def features(out, hidden, batch_first, use, total_length=None):
+    """Output sequence and final states as one ``[n, F]`` tensor per example, keeping only
+    the parts ``use`` names, so that some outputs receive no gradient at all."""
+    if isinstance(out, torch.nn.utils.rnn.PackedSequence):
+        out, _ = pad_packed_sequence(out, batch_first=True, total_length=total_length)
+    elif not batch_first:
+        out = out.transpose(0, 1)
+    states = hidden if isinstance(hidden, tuple) else (hidden,)
+    parts = [out.flatten(1)] if "out" in use else []
+    for name, state in zip(("h", "c"), states):
+        if name in use:
+            parts.append(state.transpose(0, 1).flatten(1))
+    return torch.cat(parts, 1)
+
+
+sequence_configs = st.fixed_dictionaries({
+    "kind": st.sampled_from(["tanh", "relu", "lstm", "gru"]),
+    "layers": st.integers(1, 3),
+    "bidirectional": st.booleans(),
+    "batch_first": st.booleans(),
+    "bias": st.booleans(),
+    "proj": st.booleans(),
+    "dropout": st.sampled_from([0.0, 0.5]),
+    "initial_state": st.booleans(),
+    "use": st.sampled_from([("out",), ("h",), ("c",), ("out", "h"), ("out", "h", "c")]),
+    "n": st.integers(0, 4),
+    "T": st.integers(1, 4),
+    "d": st.integers(1, 3),
+    "H": st.integers(2, 4),
+    "reduction": st.sampled_from(["mean", "sum"]),
+})
+
+
+@given(cfg=sequence_configs, seed=st.integers(0, 2**16))
+def test_sequence_layer_matches_oracle(cfg, seed):
+    kind, L, D = cfg["kind"], cfg["layers"], 2 if cfg["bidirectional"] else 1
+    n, T, d, H = cfg["n"], cfg["T"], cfg["d"], cfg["H"]
+    proj = H - 1 if cfg["proj"] and kind == "lstm" else 0
+    use = cfg["use"] if kind == "lstm" or "c" not in cfg["use"] else ("out",)
+    dropout = cfg["dropout"] if L > 1 else 0.0
+    bf = cfg["batch_first"]
+    g = torch.Generator().manual_seed(seed)
+
+    def make():
+        m = make_module(kind, d, H, num_layers=L, bidirectional=cfg["bidirectional"], batch_first=bf,
+                        bias=cfg["bias"], dropout=dropout, proj_size=proj).double()
+        return m.eval() if dropout else m  # stacked dropout is exact only when it is off
+
+    x = torch.randn(*((n, T) if bf else (T, n)), d, generator=g, dtype=F64)
+    inputs, dims = (x,), (0 if bf else 1,)
+    if cfg["initial_state"]:
+        h0 = torch.randn(L * D, n, proj or H, generator=g, dtype=F64)
+        inputs, dims = inputs + (h0,), dims + (1,)
+        if kind == "lstm":
+            inputs, dims = inputs + (torch.randn(L * D, n, H, generator=g, dtype=F64),), dims + (1,)
+
+    def forward(m, x, *state):
+        hx = None if not state else (tuple(state) if kind == "lstm" else state[0])
+        return features(*m(x, hx), bf, use)
+
+    width = features(*make()(x[:1] if bf else x[:, :1]), bf, use).shape[1] if n else 1
+    y = torch.randn(n, width, generator=g, dtype=F64)
+    with pytest.warns(dpoptim.PrivacyWarning) if dropout else _nothing():
+        check_rule_case(make, inputs, y, forward, mse, batch_dims=dims, reduction=cfg["reduction"])
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@given(
+    kind=st.sampled_from(["tanh", "relu", "lstm", "gru"]),
+    lengths=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    enforce_sorted=st.booleans(),
+    layers=st.integers(1, 2),
+    bidirectional=st.booleans(),
+    proj=st.booleans(),
+    initial_state=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_packed_sequences_match_oracle(kind, lengths, enforce_sorted, layers, bidirectional, proj, initial_state, seed):
+    """Sequences of different lengths in one PackedSequence; the oracle runs each alone."""
+    if enforce_sorted:
+        lengths = sorted(lengths, reverse=True)
+    g = torch.Generator().manual_seed(seed)
+    d, H, D, n = 2, 3, 2 if bidirectional else 1, len(lengths)
+    proj_size = 2 if proj and kind == "lstm" else 0
+    seqs = [torch.randn(t, d, generator=g, dtype=F64) for t in lengths]
+    h0 = torch.randn(layers * D, n, proj_size or H, generator=g, dtype=F64)
+    c0 = torch.randn(layers * D, n, H, generator=g, dtype=F64)
+    T = max(lengths)
+    torch.manual_seed(seed)
+    model = make_module(kind, d, H, num_layers=layers, bidirectional=bidirectional, proj_size=proj_size).double()
+    reference = copy.deepcopy(model)
+
+    def forward(m, packed, h, c):
+        hx = None if not initial_state else ((h, c) if kind == "lstm" else h)
+        return features(*m(packed, hx), True, ("out", "h", "c") if kind == "lstm" else ("out", "h"), total_length=T)
+
+    width = forward(reference, pack_sequence(seqs[:1]), h0[:, :1], c0[:, :1]).shape[1]
+    y = torch.randn(n, width, generator=g, dtype=F64)
+
+    params = list(reference.parameters())
+    per_example = []
+    for i in range(n):
+        out = forward(reference, pack_sequence([seqs[i]]), h0[:, i:i + 1], c0[:, i:i + 1])
+        per_example.append(list(torch.autograd.grad(mse(out, y[i:i + 1]).sum(), params)))
+    norms = sorted(float(torch.sqrt(sum(g.square().sum() for g in gs))) for gs in per_example)
+    bound = norms[n // 2] if norms[n // 2] > 0 else 1.0
+    expected, _ = clipped_sum(per_example, bound, params)
+
+    packed = pack_sequence(seqs, enforce_sorted=enforce_sorted)
+    got = dp_clipped_sum(model, [((packed, h0, c0), y)], bound, forward, mse)
+    for (name, _), e, r in zip(model.named_parameters(), expected, got):
+        assert torch.allclose(e, r, rtol=1e-7, atol=1e-10), f"{name}: max error {(e - r).abs().max():.3e}"
+
+
+@given(
+    kind=st.sampled_from(["tanh", "relu", "lstm", "gru"]),
+    n=st.integers(0, 4),
+    steps=st.integers(1, 4),
+    bias=st.booleans(),
+    initial_state=st.booleans(),
+    use_c=st.booleans(),
+    reduction=st.sampled_from(["mean", "sum"]),
+    seed=st.integers(0, 2**16),
+)
+def test_cell_in_a_user_loop_matches_oracle(kind, n, steps, bias, initial_state, use_c, reduction, seed):
+    """A cell called once per step: `steps` uses of one module in one backward."""
+    g = torch.Generator().manual_seed(seed)
+    d, H = 3, 4
+    x = torch.randn(n, steps, d, generator=g, dtype=F64)
+    h0 = torch.randn(n, H, generator=g, dtype=F64)
+    c0 = torch.randn(n, H, generator=g, dtype=F64)
+
+    def make():
+        head = nn.Linear(H, 2).double()
+        if kind == "lstm":
+            cell = nn.LSTMCell(d, H, bias=bias)
+        elif kind == "gru":
+            cell = nn.GRUCell(d, H, bias=bias)
+        else:
+            cell = nn.RNNCell(d, H, bias=bias, nonlinearity=kind)
+        return nn.ModuleDict({"cell": cell.double(), "head": head})
+
+    def forward(m, x, h0, c0):
+        state = None
+        if initial_state:
+            state = (h0, c0) if kind == "lstm" else h0
+        outs = []
+        for t in range(steps):
+            state = m["cell"](x[:, t], state)
+            h = state[0] if kind == "lstm" else state
+            outs.append(m["head"](h))
+        last = [state[1]] if kind == "lstm" and use_c else []
+        return torch.cat(outs + last, 1)
+
+    width = 2 * steps + (H if kind == "lstm" and use_c else 0)
+    y = torch.randn(n, width, generator=g, dtype=F64)
+    check_rule_case(make, (x, h0, c0), y, forward, mse, reduction=reduction)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_single_cell_use_and_accumulation(kind):
+    """One use per backward (the cheap, non-shared path) over several micro-batches."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 3, generator=g, dtype=F64)
+    y = torch.randn(7, 4, generator=g, dtype=F64)
+    cell_type = nn.LSTMCell if kind == "lstm" else nn.GRUCell
+
+    def forward(m, x):
+        out = m(x)
+        return out[0] if kind == "lstm" else out
+
+    check_rule_case(lambda: cell_type(3, 4).double(), (x,), y, forward, mse, splits=[3, 0, 4])
+
+
+def test_sequence_accumulation_over_micro_batches():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 3, 2, generator=g, dtype=F64)
+    y = torch.randn(6, 4, generator=g, dtype=F64)
+
+    def forward(m, x):
+        out, (h, c) = m(x)
+        return h[-1]
+
+    make = lambda: nn.LSTM(2, 4, num_layers=2, batch_first=True).double()
+    check_rule_case(make, (x,), y, forward, mse, splits=[2, 1, 3])
+
+
+def test_lstm_cell_with_separate_output_gradients():
+    """On CUDA, LSTMCell runs a fused kernel that returns h' and c' from one autograd node,
+    so the gradient a hook sees on c' leaves out the path through h'. The rule must then
+    add that path itself; on CPU (h' computed from c') it must not. Both cases, by hand:
+    the loss <a, h'> + <b, c'> has external gradients a and b."""
+    from dpoptim.registry import Use
+
+    g = torch.Generator().manual_seed(6)
+    cell = nn.LSTMCell(3, 4).double()
+    x, h, c = (torch.randn(5, k, generator=g, dtype=F64) for k in (3, 4, 4))
+    a, b = torch.randn(5, 4, generator=g, dtype=F64), torch.randn(5, 4, generator=g, dtype=F64)
+    expected = []
+    for i in range(5):
+        h1, c1 = cell(x[i:i + 1], (h[i:i + 1], c[i:i + 1]))
+        loss = (a[i:i + 1] * h1).sum() + (b[i:i + 1] * c1).sum()
+        expected.append(torch.autograd.grad(loss, [cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh]))
+    rule = dpoptim.rule_for(cell)
+    names = ["weight_ih", "weight_hh", "bias_ih", "bias_hh"]
+    h1, c1 = cell(x, (h, c))
+    total_c = torch.autograd.grad((a * h1).sum() + (b * c1).sum(), c1)[0]  # what a CPU hook sees
+    for dc, dc_is_total in ((b, False), (total_c, True)):
+        use = Use(cell, (x, (h, c), dc_is_total), [a, dc])
+        got = rule.per_example(use, names)
+        for k, name in enumerate(names):
+            want = torch.stack([e[k] for e in expected])
+            assert torch.allclose(got[name], want, rtol=1e-10, atol=1e-12), (name, dc_is_total)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["lstm", "gru", "lstm_cell", "packed"])
+def test_cuda_kernels_match_oracle(kind):
+    """cuDNN sequence kernels and the fused LSTM cell, in float64 on the GPU."""
+    g = torch.Generator().manual_seed(7)
+    cuda = torch.device("cuda")
+    if kind == "lstm_cell":
+        x = torch.randn(4, 3, 3, generator=g, dtype=F64).to(cuda)
+        y = torch.randn(4, 4, generator=g, dtype=F64).to(cuda)
+
+        def forward(m, x):
+            state = None
+            for t in range(x.shape[1]):
+                state = m(x[:, t], state)
+            return state[0] + state[1]
+
+        check_rule_case(lambda: nn.LSTMCell(3, 4).double().to(cuda), (x,), y, forward, mse)
+        return
+    if kind == "packed":
+        seqs = [torch.randn(t, 2, generator=g, dtype=F64).to(cuda) for t in (3, 1, 2)]
+        model = nn.LSTM(2, 3, bidirectional=True).double().to(cuda)
+        opt = dpoptim.DPSGD(model.parameters(), lr=1.0, noise_multiplier=0.0, max_grad_norm=1e6,
+                            expected_batch_size=1, sample_rate=0.5, loss_reduction="sum")
+        out, _ = model(pack_sequence(seqs, enforce_sorted=False))
+        pad_packed_sequence(out)[0].square().sum().backward()
+        reference = [p.grad.clone() for p in model.parameters()]
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()  # unclipped (huge bound): the step is minus the summed gradient
+        for p, b, r in zip(model.parameters(), before, reference):
+            assert torch.allclose(b - p.detach(), r, rtol=1e-9, atol=1e-12)
+        return
+    cls = nn.LSTM if kind == "lstm" else nn.GRU
+    x = torch.randn(4, 3, 2, generator=g, dtype=F64).to(cuda)
+    y = torch.randn(4, 2 * 3 * 3, generator=g, dtype=F64).to(cuda)
+    make = lambda: cls(2, 3, num_layers=2, bidirectional=True, batch_first=True).double().to(cuda)  # noqa: E731
+    check_rule_case(make, (x,), y, lambda m, x: m(x)[0].flatten(1), mse)
+
+
+def test_partly_frozen_stack():
+    """The engine asks only for the trainable parameters; the replay still runs through the
+    frozen ones."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(4, 3, 4, generator=g, dtype=F64)
+    y = torch.randn(4, 12, generator=g, dtype=F64)
+
+    def make():
+        m = nn.LSTM(4, 4, num_layers=2, batch_first=True).double()
+        m.weight_hh_l0.requires_grad_(False)
+        m.bias_ih_l1.requires_grad_(False)
+        return m
+
+    check_rule_case(make, (x,), y, lambda m, x: m(x)[0].flatten(1), mse)
+
+
+@pytest.mark.parametrize("kind", ["tanh", "lstm", "gru"])
+def test_stacked_dropout_in_training_is_refused(kind):
+    model = make_module(kind, 3, 4, num_layers=2, dropout=0.3)
+    opt = dpoptim.DPSGD(model.parameters(), lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0,
+                        expected_batch_size=2, sample_rate=0.1)
+    with pytest.raises(ValueError, match="nn.Dropout"):
+        model(torch.randn(5, 2, 3))
+    with torch.no_grad():
+        model(torch.randn(5, 2, 3))  # nothing is recorded without grad: no error
+    del opt
+
+
+@pytest.mark.parametrize("module", [nn.LSTM(3, 4), nn.GRUCell(3, 4)])
+def test_unbatched_input_is_refused(module):
+    opt = dpoptim.DPSGD(module.parameters(), lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0,
+                        expected_batch_size=2, sample_rate=0.1)
+    x = torch.randn(5, 3) if isinstance(module, nn.LSTM) else torch.randn(3)
+    with pytest.raises(ValueError, match="batch dimension"):
+        module(x)
+    del opt
+
+
+# ---------------------------------------------------------------------------- training
+def _sequence_task(n, T, generator):
+    """Label: is the sum of the last three inputs positive?"""
+    x = torch.randn(n, T, 1, generator=generator)
+    return x, (x[:, -3:, 0].sum(1) > 0).long()
+
+
+class _Classifier(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        if kind == "cell":
+            self.rnn = nn.GRUCell(1, 16)
+        else:
+            self.rnn = make_module(kind, 1, 16, batch_first=True, bidirectional=kind == "gru")
+        self.head = nn.Linear(32 if kind == "gru" else 16, 2)
+
+    def forward(self, x):
+        if self.kind == "cell":
+            h = None
+            for t in range(x.shape[1]):
+                h = self.rnn(x[:, t], h)
+            return self.head(h)
+        out, _ = self.rnn(x)
+        return self.head(out[:, -1])
+
+
+@pytest.mark.filterwarnings("ignore::dpoptim.PrivacyWarning")  # fixed-size batches, not Poisson
+@pytest.mark.parametrize("kind", ["lstm", "gru", "tanh", "cell"])
+def test_training_with_noise_lowers_the_loss(kind):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    model = _Classifier(kind)
+    opt = dpoptim.DPAdam(model.parameters(), lr=0.01, noise_multiplier=0.3, max_grad_norm=1.0,
+                         expected_batch_size=64, sample_rate=0.01, generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(60):
+        x, y = _sequence_task(64, 6, g)
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    first, last = sum(losses[:5]) / 5, sum(losses[-10:]) / 10
+    assert last < 0.8 * first, f"{kind}: loss {first:.3f} -> {last:.3f}"
