@@ -31,7 +31,8 @@ from torch.utils.data._utils.collate import default_collate
 from . import distributed
 
 __all__ = [
-    "PoissonBatchSampler", "PoissonDataLoader", "poisson_loader", "poisson_indices", "privacy_kwargs", "split_batch",
+    "PoissonBatchSampler", "PoissonDataLoader", "batches_per_epoch", "poisson_loader", "poisson_indices",
+    "privacy_kwargs", "split_batch",
 ]
 
 
@@ -55,6 +56,14 @@ def poisson_indices(num_samples: int, sample_rate: float, generator: torch.Gener
         if inside.numel() < chunk:
             return torch.cat(parts).to(torch.int64)
         last = float(positions[-1])
+
+
+def batches_per_epoch(sample_rate: float) -> int:
+    """Batches in one epoch of Poisson sampling at rate q: ``max(1, round(1 / q))``.
+
+    This is what ``len(poisson_loader(...))`` returns and how ``epochs`` is turned into a
+    number of steps everywhere in dpoptim."""
+    return max(1, round(1 / sample_rate))
 
 
 class PoissonBatchSampler(Sampler[list[int]]):
@@ -91,7 +100,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
             raise ValueError("the sampling generator must be a CPU torch.Generator")
         self.num_samples = int(num_samples)
         self.sample_rate = sample_rate
-        self.num_batches = max(1, round(1 / sample_rate))
+        self.num_batches = batches_per_epoch(sample_rate)
         group = distributed.resolve_group(process_group)
         self.rank, self.world_size = distributed.rank_and_size(group)
         if generator is None:

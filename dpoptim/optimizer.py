@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 
 from . import distributed
+from .data import batches_per_epoch
 from .engine import GradEngine
 from .errors import PrivacyBudgetExceeded, PrivacyWarning
 from .privatize import add_noise_, fresh_generator
@@ -121,7 +122,8 @@ class DPOptimizerMixin:
         If set, :meth:`step` raises :class:`PrivacyBudgetExceeded` instead of taking a step
         that would spend more than this (at ``delta``). Defaults to ``target_epsilon``.
     target_epsilon, steps, epochs
-        Calibrate ``noise_multiplier`` so that ``steps`` (or ``epochs / sample_rate``) steps
+        Calibrate ``noise_multiplier`` so that ``steps`` (or ``epochs * round(1 / sample_rate)``, the
+        epoch of :func:`dpoptim.data.poisson_loader`) steps
         spend ``target_epsilon`` at ``delta``.
     """
 
@@ -198,7 +200,7 @@ class DPOptimizerMixin:
                 raise ValueError("noise_multiplier is required (or pass target_epsilon with steps or epochs)")
             if (steps is None) == (epochs is None):
                 raise ValueError("with target_epsilon, pass exactly one of steps or epochs")
-            total = int(steps) if steps is not None else math.ceil(float(epochs) / sample_rate)
+            total = int(steps) if steps is not None else math.ceil(float(epochs) * batches_per_epoch(sample_rate))
             from . import accounting  # scipy is imported only when accounting is used
 
             noise_multiplier = accounting.calibrate_noise(target_epsilon, delta, sample_rate, total, accountant=accountant)
