@@ -1,0 +1,3 @@
+from dpoptim.cli import main
+
+raise SystemExit(main())
