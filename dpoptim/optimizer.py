@@ -234,6 +234,7 @@ class DPOptimizerMixin:
         self._budget_cache: tuple | None = None
         self._process_group = process_group
         self._size_watch = [None, 0, False]  # last batch size, steps with it, warned
+        self._mean_watch = [None, 0, 0, False]  # expected size watched, steps, examples, warned
 
     # ----------------------------------------------------------------- hyperparameters
     def add_param_group(self, param_group: dict) -> None:
@@ -357,6 +358,7 @@ class DPOptimizerMixin:
         self._record(sigma, q)
         self._report_no_overflow()
         self._watch_batch_size(examples, q, batch / world)
+        self._watch_mean_batch_size(examples, batch / world)
         return loss
 
     # ----------------------------------------------------------------- mixed precision
@@ -422,6 +424,33 @@ class DPOptimizerMixin:
                 f"assumes Poisson sampling (sample_rate={q}), whose batch sizes vary. A shuffled "
                 "fixed-size DataLoader is a different mechanism and the reported epsilon does not "
                 "apply to it. Use dpoptim.data.poisson_loader(dataset, sample_rate=q).",
+                PrivacyWarning,
+                stacklevel=_caller_stacklevel(),
+            )
+
+    def _watch_mean_batch_size(self, examples: int, local_expected: float) -> None:
+        """Warn once if the mean batch size is far from ``expected_batch_size``.
+
+        The divisor B only scales the update, so privacy holds either way, but a B far from
+        the real mean batch size (a wrong sample_rate or dataset_size) makes the update too
+        small or too large and suggests the accounting uses the wrong rate. Under Poisson
+        sampling the mean of k batch sizes has standard deviation below sqrt(B / k): the
+        bound below (5 of those plus 5%) is practically never crossed by chance.
+        """
+        expected, steps, total, warned = self._mean_watch
+        if warned:
+            return
+        if expected != local_expected:
+            expected, steps, total = local_expected, 0, 0
+        steps, total = steps + 1, total + examples
+        self._mean_watch = [expected, steps, total, False]
+        mean = total / steps
+        if steps >= 50 and abs(mean - expected) > 5 * math.sqrt(expected / steps) + 0.05 * expected:
+            self._mean_watch[3] = True
+            warnings.warn(
+                f"expected_batch_size is {expected:g} (per process) but the last {steps} batches held "
+                f"{mean:.1f} examples on average: check sample_rate and dataset_size (with "
+                "dpoptim.data.poisson_loader, pass **dpoptim.data.privacy_kwargs(loader)).",
                 PrivacyWarning,
                 stacklevel=_caller_stacklevel(),
             )

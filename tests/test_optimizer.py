@@ -274,3 +274,47 @@ def test_secure_mode_keeps_the_noise_scale_and_refuses_a_fixed_generator():
     with pytest.raises(ValueError, match="secure_mode"):
         dpoptim.DPSGD(nn.Linear(2, 2).parameters(), lr=1.0, noise_multiplier=1.0, max_grad_norm=1.0,
                       expected_batch_size=1, sample_rate=0.1, secure_mode=True, generator=torch.Generator())
+
+
+def test_expected_batch_size_far_from_the_observed_mean_warns_once():
+    model = mlp()
+    opt = dpoptim.DPSGD(model.parameters(), lr=0.0, noise_multiplier=0.0, max_grad_norm=1.0,
+                        expected_batch_size=40, sample_rate=0.5)
+    sizes = torch.Generator().manual_seed(0)
+    with pytest.warns(dpoptim.PrivacyWarning, match="expected_batch_size is 40") as record:
+        for _ in range(60):
+            n = int(torch.randint(8, 13, (1,), generator=sizes))  # varying sizes around 10
+            x, y = batch(n)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert sum("expected_batch_size is" in str(w.message) for w in record) == 1
+
+
+def test_privacy_spent_equals_the_accountant_and_the_budget_stops_before_overspending():
+    from dpoptim import accounting
+
+    model = zero_loss_model(10)
+    budget = accounting.epsilon(1.0, 0.2, 5, 1e-5)
+    opt = dpoptim.DPSGD(model.parameters(), lr=1.0, noise_multiplier=1.0, max_grad_norm=1.0,
+                        expected_batch_size=2, sample_rate=0.2, max_epsilon=budget * (1 + 1e-9))
+    for step in range(5):
+        opt.zero_grad()
+        opt.step()
+    assert opt.privacy_spent() == (pytest.approx(budget, rel=1e-12), 1e-5)
+    assert opt.privacy_spent(accountant="rdp").epsilon == pytest.approx(accounting.epsilon(1.0, 0.2, 5, 1e-5, accountant="rdp"))
+    before = model.weight.detach().clone()
+    with pytest.raises(dpoptim.PrivacyBudgetExceeded, match="max_epsilon"):
+        opt.step()
+    assert torch.equal(model.weight, before) and opt.steps_taken == 5
+
+
+def test_target_epsilon_calibrates_the_noise_and_sets_the_budget():
+    from dpoptim import accounting
+
+    opt = dpoptim.DPSGD(nn.Linear(2, 2).parameters(), lr=0.1, max_grad_norm=1.0, expected_batch_size=10,
+                        sample_rate=0.01, target_epsilon=2.0, epochs=3)
+    steps = 3 * 100
+    assert opt.max_epsilon == 2.0
+    eps = accounting.epsilon(opt.noise_multiplier, 0.01, steps, 1e-5)
+    assert 1.98 <= eps <= 2.0
