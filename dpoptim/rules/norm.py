@@ -63,7 +63,9 @@ def affine_per_example(x_hat: torch.Tensor, b: torch.Tensor, param_dims: tuple[i
 
 
 def _standardize(x: torch.Tensor, dims, eps: float) -> torch.Tensor:
-    var, mean = torch.var_mean(x, dims, correction=0, keepdim=True)
+    # Mean and biased variance by hand: var_mean warns on the empty tensors of a batch of 0.
+    mean = x.mean(dims, keepdim=True)
+    var = (x - mean).square().mean(dims, keepdim=True)
     return (x - mean) * torch.rsqrt(var + eps)
 
 
