@@ -1,0 +1,90 @@
+"""The benchmark suite runs and writes its outputs (a smoke test: no timing assertions)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from benchmarks import report, timing
+from benchmarks.workloads import MODES, WORKLOADS, Workload, _images
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_quick_mode_writes_table_json_and_plot(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    doc = json.loads((tmp_path / "benchmarks.json").read_text())
+    cpu = doc["devices"]["cpu"]
+    assert cpu["quick"] and set(cpu["timing"]) == set(WORKLOADS)
+    for workload in cpu["timing"].values():
+        assert set(workload["modes"]) == set(MODES)
+        for entry in workload["modes"].values():
+            assert entry["status"] in ("ok", "failed", "skipped")
+            assert entry["status"] == "ok" or entry["error"]
+    mlp = cpu["timing"]["mlp"]["modes"]
+    assert mlp["non-private"]["status"] == "ok" and mlp["dpoptim"]["status"] == "ok"
+    assert mlp["dpoptim"]["ratio"] > 0 and mlp["dpoptim"]["first_step_ms"] > 0
+    assert cpu["memory"]["mlp"]["modes"]["dpoptim"]["extra_mib"] >= 0
+    assert [job["batch_size"] for job in cpu["scaling"]["timing"]] == cpu["scaling"]["batches"]
+    assert "parts_ms" in cpu["profile"]["mlp"]["dpoptim"]
+    assert cpu["targets"]
+
+    md = (tmp_path / "benchmarks.md").read_text()
+    assert "python -m benchmarks --quick" in md
+    for section in ("## Step time", "## Memory", "## Targets", "## Scaling", "## Profile"):
+        assert section in md
+    assert (tmp_path / "benchmarks.png").exists() or "matplotlib is not installed" in md
+
+
+def test_a_mode_that_fails_is_reported_not_raised():
+    # nn.Bilinear has no dpoptim rule: dpoptim's first step raises, the others time normally.
+    def model():
+        return nn.Sequential(nn.Flatten(), nn.Linear(4, 3), nn.Unflatten(1, (3,)), BilinearHead())
+
+    workload = Workload("bilinear", "Bilinear", model, _images((4,)), 4, None, 4)
+    result = timing.measure(workload, ["non-private", "dpoptim"], batch_size=4, warmup=0, rounds=2)
+    assert result["modes"]["non-private"]["status"] == "ok"
+    failed = result["modes"]["dpoptim"]
+    assert failed["status"] == "failed" and "Bilinear" in failed["error"] and "\n" not in failed["error"]
+
+
+class BilinearHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bilinear = nn.Bilinear(3, 3, 10)
+
+    def forward(self, x):
+        return self.bilinear(x, x)
+
+
+def test_report_marks_targets_and_failures(tmp_path):
+    ok = lambda ms, ratio=None: {"status": "ok", "median_ms": ms, "first_step_ms": 2 * ms,  # noqa: E731
+                                 **({"ratio": ratio} if ratio else {})}
+    results = {
+        "command": "python -m benchmarks", "quick": False, "date": "today", "runtime_s": 1.0,
+        "machine": {"cpu": "test", "cores": 2, "threads": 2, "torch": torch.__version__, "python": "3"},
+        "timing": {"mlp": {"batch_size": 256, "modes": {
+            "non-private": ok(10.0), "dpoptim": ok(11.0, 1.1), "opacus-hooks": ok(30.0, 3.0),
+            "opacus-ghost": {"status": "failed", "error": "RuntimeError: boom"}}}},
+        "memory": {"mlp": {"batch_size": 1024, "modes": {
+            "non-private": {"status": "ok", "extra_mib": 10.0},
+            "dpoptim": {"status": "ok", "extra_mib": 20.0, "first_step_extra_mib": 25.0}}}},
+    }
+    paths = report.write(results, str(tmp_path))
+    assert all(os.path.exists(p) for p in paths)
+    by_target = {(t["target"], t["workload"]): t for t in json.loads((tmp_path / "benchmarks.json").read_text())
+                 ["devices"]["cpu"]["targets"]}
+    assert by_target[("step time <= 1.25x non-private", "mlp")]["met"] is True
+    assert by_target[("extra memory <= 1.3x non-private", "mlp")]["met"] is False
+    assert by_target[("faster than Opacus' best mode", "mlp")]["value"] == pytest.approx(30 / 11)
+    md = (tmp_path / "benchmarks.md").read_text()
+    assert "RuntimeError: boom" in md and "**missed**" in md
