@@ -117,3 +117,18 @@ def check_rule_case(make_model, inputs, targets, forward, loss, max_grad_norm=No
                 p.copy_(s)
     assert not problems, "dpoptim differs from the per-example oracle:\n" + "\n".join(problems)
     return max_grad_norm
+
+
+def assert_trains_with_noise(model, x, y, lr=2.0, steps=20, factor=0.7):
+    """A few noisy full-batch DPSGD steps must cut the cross-entropy to ``factor`` of its start."""
+    opt = dpoptim.DPSGD(model.parameters(), lr=lr, noise_multiplier=0.5, max_grad_norm=1.0,
+                        expected_batch_size=len(x), sample_rate=0.5, generator=torch.Generator().manual_seed(1))
+    loss_fn = torch.nn.CrossEntropyLoss()
+    with torch.no_grad():
+        first = float(loss_fn(model(x), y))
+    for _ in range(steps):
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    with torch.no_grad():
+        assert float(loss_fn(model(x), y)) < factor * first
