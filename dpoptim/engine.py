@@ -37,7 +37,7 @@ from torch import nn
 
 from .errors import PrivacyWarning, UnsupportedLayerError
 from .privatize import clip_factors
-from .registry import Rule, Use, rule_for
+from .registry import Use, rule_for
 
 __all__ = ["GradEngine"]
 

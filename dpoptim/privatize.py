@@ -15,7 +15,7 @@ import secrets
 
 import torch
 
-__all__ = ["clip_factors", "add_noise_", "noisy_average", "fresh_generator"]
+__all__ = ["clip_factors", "add_noise_", "fresh_generator"]
 
 
 def clip_factors(squared_norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:

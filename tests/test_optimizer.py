@@ -1,6 +1,5 @@
 """The DP optimizers: torch-twin equivalence, noise, reproducibility, the step contract."""
 
-import copy
 import gc
 import math
 
