@@ -455,10 +455,19 @@ class GradEngine:
             shared = {pid: _finite_or_zero(g) for pid, g in shared.items()}
         weights = factors * scale
 
-        for record, use in uses:
+        # Off the checked first step nothing needs a use after its clipped sum: let its saved
+        # inputs, output gradients and rule cache go at once, so that the last clipped sums
+        # run with the earlier layers' activations already freed.
+        release = not self._verify
+        for i, (record, use) in enumerate(uses):
             names = own(record)
             if names:
                 self._accumulate(self._sums, record, record.rule.clipped_sum(use, names, weights.to(total.dtype)))
+            if release:
+                uses[i] = None
+                group.uses.pop(id(record), None)
+                record.saved = None
+                del record, use
         for pid, g in shared.items():
             _add_into(self._sums, self._params[pid], torch.tensordot(weights.to(g.dtype), g, dims=1))
 

@@ -33,6 +33,12 @@ def rows_by_example(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, tor
     return a.reshape(n, rows, a.shape[-1]).to(dtype), b.reshape(n, rows, b.shape[-1]).to(dtype)
 
 
+def squared_norms(x: torch.Tensor) -> torch.Tensor:
+    """``||x_i||^2`` over all but the first dimension, without an ``x.square()`` copy
+    (one reduction pass; that copy is as large as the activations)."""
+    return torch.linalg.vector_norm(x.flatten(1), dim=1).square()
+
+
 def ghost_or_materialize(a: torch.Tensor, b: torch.Tensor, cache: dict) -> torch.Tensor:
     """``||sum_t b_t a_t^T||^2`` per example for ``a: [n, T, d]``, ``b: [n, T, p]``.
 
@@ -43,7 +49,7 @@ def ghost_or_materialize(a: torch.Tensor, b: torch.Tensor, cache: dict) -> torch
     n, T, d = a.shape
     p = b.shape[-1]
     if T == 1:
-        return a.square().sum((1, 2)) * b.square().sum((1, 2))
+        return squared_norms(a) * squared_norms(b)
     if T * T * (d + p) < T * d * p:
         gram_a = torch.bmm(a, a.transpose(1, 2))
         gram_b = torch.bmm(b, b.transpose(1, 2))

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..registry import Rule, Use, register_rule
-from ._common import batched, ghost_or_materialize, rows_by_example
+from ._common import batched, ghost_or_materialize, rows_by_example, squared_norms
 
 
 @register_rule(nn.Linear)
@@ -53,8 +53,9 @@ class LinearRule(Rule):
         if "weight" in names:
             out["weight"] = ghost_or_materialize(a, b, use.cache)
         if "bias" in names:
-            bias = use.cache["bias"] = b.sum(1)
-            out["bias"] = bias.square().sum(1)
+            # T = 1: the per-example bias gradient is b itself; a view, not an [n, p] copy.
+            bias = use.cache["bias"] = b[:, 0] if b.shape[1] == 1 else b.sum(1)
+            out["bias"] = squared_norms(bias)
         return out
 
     def clipped_sum(self, use, names, factors):

@@ -32,9 +32,8 @@ engine's report is the only error the user sees.
 
 from __future__ import annotations
 
-import math
-
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..registry import Rule, register_rule
@@ -48,6 +47,8 @@ def affine_per_example(x_hat: torch.Tensor, b: torch.Tensor, param_dims: tuple[i
     ``param_dims`` of ``x_hat: [n, ...]`` and broadcast over every other non-batch dim.
 
     Returns ``{"weight": [n, *w.shape], "bias": [n, *w.shape]}`` for the names asked.
+    ``x_hat`` is a temporary and is overwritten (with ``x_hat * b``), which saves a copy
+    as large as the layer's input.
     """
     reduced = [d for d in range(1, x_hat.dim()) if d not in param_dims]
 
@@ -56,7 +57,7 @@ def affine_per_example(x_hat: torch.Tensor, b: torch.Tensor, param_dims: tuple[i
 
     out = {}
     if "weight" in names:
-        out["weight"] = total(x_hat * b)
+        out["weight"] = total(x_hat.mul_(b))
     if "bias" in names:
         out["bias"] = total(b)
     return out
@@ -121,7 +122,8 @@ class _TrailingNormRule(NormRule):
 @register_rule(nn.LayerNorm)
 class LayerNormRule(_TrailingNormRule):
     def normalized(self, module, x, stats):
-        return _standardize(x, self.param_dims(module, x), module.eps)
+        # ATen's own kernel (no affine): one pass, where mean, sub, square, mean, rsqrt and mul take six.
+        return F.layer_norm(x, module.normalized_shape, None, None, module.eps)
 
 
 @register_rule(nn.RMSNorm)
@@ -138,9 +140,7 @@ class RMSNormRule(_TrailingNormRule):
 @register_rule(nn.GroupNorm)
 class GroupNormRule(NormRule):
     def normalized(self, module, x, stats):
-        n, groups = x.shape[0], module.num_groups
-        grouped = x.reshape(n, groups, math.prod(x.shape[1:]) // groups)
-        return _standardize(grouped, (2,), module.eps).reshape(x.shape)
+        return F.group_norm(x, module.num_groups, None, None, module.eps)  # ATen's kernel, no affine
 
 
 class _RunningStatsRule(NormRule):
