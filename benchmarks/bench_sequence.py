@@ -26,37 +26,8 @@ import torch
 from torch import nn
 
 import dpoptim
-import dpoptim.rules.attention  # noqa: F401  (registered by dpoptim.rules once wired there)
-import dpoptim.rules.rnn  # noqa: F401
 
-VOCAB, T, CLASSES = 5000, 64, 10
-
-
-class LSTMClassifier(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embedding = nn.Embedding(VOCAB, 64)
-        self.lstm = nn.LSTM(64, 128, batch_first=True)
-        self.head = nn.Linear(128, CLASSES)
-
-    def forward(self, tokens):
-        out, _ = self.lstm(self.embedding(tokens))
-        return self.head(out[:, -1])
-
-
-class TransformerClassifier(nn.Module):
-    def __init__(self, d=128, heads=4, ff=512, layers=2):
-        super().__init__()
-        self.tokens = nn.Embedding(VOCAB, d)
-        self.positions = nn.Embedding(T, d)
-        layer = nn.TransformerEncoderLayer(d, heads, ff, dropout=0.0, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(d, CLASSES)
-
-    def forward(self, tokens):
-        n, length = tokens.shape
-        where = torch.arange(length, device=tokens.device).expand(n, length)
-        return self.head(self.encoder(self.tokens(tokens) + self.positions(where)).mean(1))
+from .workloads import CLASSES, SEQ_LEN as T, VOCAB, LSTMClassifier, TransformerClassifier
 
 
 WORKLOADS = {"lstm": (LSTMClassifier, 64), "transformer": (TransformerClassifier, 32)}

@@ -9,7 +9,7 @@ from hypothesis import given, strategies as st
 from torch import nn
 
 import dpoptim
-from oracle import check_rule_case
+from oracle import check_rule_case, mse
 
 # --- example from docs/rules.md ---
 class Scale(nn.Module):
@@ -44,10 +44,6 @@ class ScaleRule(dpoptim.Rule):
         g = (x.to(wide) * b.to(wide)).reshape(n, positions, features).sum(1)
         return {"weight": g}
 # --- end of example ---
-
-
-def mse(out, target):
-    return 0.5 * (out - target).flatten(1).square().sum(1)
 
 
 @given(

@@ -28,15 +28,11 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 import dpoptim
-from oracle import check_rule_case, per_example_gradients
+from oracle import check_rule_case, mse, per_example_gradients
 
 F64 = torch.float64
 # Cheap per example (tiny models, one thread): draw more than the profile's default.
 FUZZ = settings(max_examples=max(100, settings.default.max_examples))
-
-
-def mse(out, target):
-    return 0.5 * (out - target).flatten(1).square().sum(1)
 
 
 @pytest.fixture(autouse=True)

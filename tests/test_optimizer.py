@@ -192,6 +192,7 @@ def test_dropping_the_optimizer_removes_its_hooks():
     def global_hooks():
         return len(nn.modules.module._global_forward_hooks) + len(nn.modules.module._global_forward_pre_hooks)
 
+    gc.collect()  # optimizers dropped by earlier tests must not go away during this one
     hooks_before = global_hooks()
     opt = dpoptim.DPSGD(model.parameters(), lr=1.0, noise_multiplier=0.0, max_grad_norm=1.0,
                         expected_batch_size=4, sample_rate=0.1)

@@ -7,13 +7,9 @@ from torch import nn
 
 import dpoptim
 import dpoptim.rules.conv as conv_rule
-from oracle import assert_trains_with_noise, check_rule_case
+from oracle import assert_trains_with_noise, check_rule_case, mse
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
-
-
-def mse(out, target):
-    return 0.5 * (out - target).flatten(1).square().sum(1)
 
 
 def head(conv, example_shape):

@@ -9,11 +9,7 @@ from hypothesis import given, strategies as st
 from torch import nn
 
 import dpoptim
-from oracle import assert_trains_with_noise, check_rule_case
-
-
-def mse(out, target):
-    return 0.5 * (out - target).flatten(1).square().sum(1)
+from oracle import assert_trains_with_noise, check_rule_case, mse
 
 
 # Each case draws (layer factory, shape of one example). Factories must be deterministic:

@@ -10,13 +10,9 @@ from torch.nn.utils.rnn import pack_sequence, pad_packed_sequence
 
 import dpoptim
 import dpoptim.rules.rnn  # noqa: F401  (registers the rules until dpoptim.rules imports them)
-from oracle import check_rule_case, clipped_sum, dp_clipped_sum
+from oracle import check_rule_case, clipped_sum, dp_clipped_sum, mse
 
 F64 = torch.float64
-
-
-def mse(out, target):
-    return 0.5 * (out - target).flatten(1).square().sum(1)
 
 
 def make_module(kind, d, H, **kw):
