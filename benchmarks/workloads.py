@@ -72,8 +72,8 @@ class LSTMClassifier(nn.Module):
 
 class TransformerClassifier(nn.Module):
     """Token and learned position embeddings (d = 128), a 2-layer post-norm encoder
-    (4 heads, feed-forward 512), mean pooling, a Linear head. Dropout is 0 throughout:
-    dpoptim cannot clip attention dropout exactly, so no mode gets it."""
+    (4 heads, feed-forward 512), mean pooling, a Linear head. Dropout is 0 throughout,
+    so every mode runs the same computation (Opacus' attention is its own module)."""
 
     def __init__(self, d: int = 128, heads: int = 4, ff: int = 512, layers: int = 2):
         super().__init__()

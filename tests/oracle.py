@@ -21,20 +21,28 @@ def _slice(x, i, dim):
     return x
 
 
-def per_example_gradients(model, inputs, targets, forward, loss, batch_dims=None):
+def per_example_gradients(model, inputs, targets, forward, loss, batch_dims=None, rng=None):
     """List over examples of [grad per trainable parameter] (zeros where unused).
 
     ``inputs`` is a tuple of model inputs; ``batch_dims`` gives each one's batch dimension
     (default 0). ``forward(model, *inputs) -> output``, ``loss(output, targets) -> [n]``.
+
+    With ``rng`` (a CPU generator state) the model draws random numbers (dropout): example
+    ``i``'s gradient is then that of its own loss term in a forward of the whole batch with
+    the generator set to ``rng``, so every example sees the masks the batch saw. Valid for
+    models in which examples do not interact.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     batch_dims = batch_dims or (0,) * len(inputs)
     n = inputs[0].shape[batch_dims[0]] if isinstance(inputs[0], torch.Tensor) else len(targets)
     grads = []
     for i in range(n):
-        xs = tuple(_slice(x, i, d) for x, d in zip(inputs, batch_dims))
-        out = forward(model, *xs)
-        li = loss(out, _slice(targets, i, 0)).sum()
+        if rng is None:
+            xs = tuple(_slice(x, i, d) for x, d in zip(inputs, batch_dims))
+            li = loss(forward(model, *xs), _slice(targets, i, 0)).sum()
+        else:
+            torch.set_rng_state(rng)
+            li = loss(forward(model, *inputs), targets)[i]
         g = torch.autograd.grad(li, params, allow_unused=True)
         grads.append([torch.zeros_like(p) if gi is None else gi for p, gi in zip(params, g)])
     return grads
@@ -51,9 +59,10 @@ def clipped_sum(per_example, max_grad_norm, params):
     return total, norms
 
 
-def dp_clipped_sum(model, batches, max_grad_norm, forward, loss, reduction="mean", optimizer=None):
+def dp_clipped_sum(model, batches, max_grad_norm, forward, loss, reduction="mean", optimizer=None, rng=None):
     """What a DPSGD step does to the parameters with lr=1, no noise, expected batch 1:
-    minus the clipped sum over all examples of all ``batches`` (one backward each)."""
+    minus the clipped sum over all examples of all ``batches`` (one backward each).
+    ``rng``: the CPU generator state to start every forward from."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer or dpoptim.DPSGD(
         params, lr=1.0, noise_multiplier=0.0, max_grad_norm=max_grad_norm,
@@ -62,6 +71,8 @@ def dp_clipped_sum(model, batches, max_grad_norm, forward, loss, reduction="mean
     before = [p.detach().clone() for p in params]
     opt.zero_grad()
     for inputs, targets in batches:
+        if rng is not None:
+            torch.set_rng_state(rng)
         losses = loss(forward(model, *inputs), targets)
         (losses.mean() if reduction == "mean" else losses.sum()).backward()
     opt.step()
@@ -69,17 +80,21 @@ def dp_clipped_sum(model, batches, max_grad_norm, forward, loss, reduction="mean
 
 
 def check_rule_case(make_model, inputs, targets, forward, loss, max_grad_norm=None, batch_dims=None,
-                    reduction="mean", splits=None, rtol=1e-7):
+                    reduction="mean", splits=None, rtol=1e-7, random=False):
     """Compare dpoptim's clipped sum with the brute-force one; raise listing every mismatch.
 
     ``max_grad_norm=None`` picks the median per-example norm, so some examples are clipped
     and some are not. ``splits`` cuts the batch into micro-batches (one backward each).
+    ``random=True``: the model draws random numbers (dropout in training); every forward
+    then starts from one generator state (see :func:`per_example_gradients`).
     """
     torch.manual_seed(0)
     model = make_model()
     reference = copy.deepcopy(model)
     params = [p for p in reference.parameters() if p.requires_grad]
-    grads = per_example_gradients(reference, inputs, targets, forward, loss, batch_dims)
+    rng = torch.get_rng_state() if random else None
+    assert not (random and splits), "micro-batches draw their own masks"
+    grads = per_example_gradients(reference, inputs, targets, forward, loss, batch_dims, rng)
     if max_grad_norm is None:
         norms = sorted(float(torch.sqrt(sum(g.square().sum() for g in gs))) for gs in grads)
         max_grad_norm = norms[len(norms) // 2] if norms and norms[len(norms) // 2] > 0 else 1.0
@@ -103,7 +118,7 @@ def check_rule_case(make_model, inputs, targets, forward, loss, max_grad_norm=No
     # The first step is also checked against autograd by the engine; later steps let the
     # engine skip autograd's weight gradients. Both must match the oracle.
     for attempt in ("first step", "later step"):
-        got = dp_clipped_sum(model, batches, max_grad_norm, forward, loss, reduction, optimizer=opt)
+        got = dp_clipped_sum(model, batches, max_grad_norm, forward, loss, reduction, optimizer=opt, rng=rng)
         for name, e, g in zip(names, expected, got):
             if e.shape != g.shape:
                 problems.append(f"{attempt}, {name}: shape {tuple(g.shape)} != {tuple(e.shape)}")

@@ -7,7 +7,7 @@ from torch import nn
 
 import dpoptim
 import dpoptim.rules.attention  # noqa: F401  (registers the rule until dpoptim.rules imports it)
-from oracle import check_rule_case, mse
+from oracle import check_rule_case, clipped_sum, dp_clipped_sum, mse, per_example_gradients
 
 F64 = torch.float64
 
@@ -32,6 +32,7 @@ attention_configs = st.fixed_dictionaries({
     "L": st.integers(1, 4),
     "S": st.integers(1, 4),
     "reduction": st.sampled_from(["mean", "sum"]),
+    "dropout": st.sampled_from([0.0, 0.0, 0.4]),
 })
 
 
@@ -51,7 +52,7 @@ def test_multihead_attention_matches_oracle(cfg, seed):
     def make():
         return nn.MultiheadAttention(E, heads, bias=cfg["bias"], add_bias_kv=cfg["add_bias_kv"],
                                      add_zero_attn=cfg["add_zero_attn"], kdim=kdim, vdim=vdim,
-                                     batch_first=bf).double()
+                                     batch_first=bf, dropout=cfg["dropout"]).double()
 
     # Inputs in the order forward() takes them, each with its batch dimension.
     seq = lambda T, d: _randn(g, n, T, d) if bf else _randn(g, T, n, d)  # noqa: E731
@@ -98,7 +99,8 @@ def test_multihead_attention_matches_oracle(cfg, seed):
         assume(n > 0)  # PyTorch itself cannot run some masks on an empty batch
         raise
     y = _randn(g, n, width)
-    check_rule_case(make, tuple(inputs), y, forward, mse, batch_dims=tuple(dims), reduction=cfg["reduction"])
+    check_rule_case(make, tuple(inputs), y, forward, mse, batch_dims=tuple(dims), reduction=cfg["reduction"],
+                    random=cfg["dropout"] > 0)
 
 
 def _freeze_norms_without_rule(model):
@@ -117,6 +119,7 @@ transformer_configs = st.fixed_dictionaries({
     "activation": st.sampled_from(["relu", "gelu"]),
     "bias": st.booleans(),
     "masks": st.booleans(),
+    "dropout": st.sampled_from([0.0, 0.3]),
     "n": st.integers(1, 3),
     "T": st.integers(1, 3),
 })
@@ -128,7 +131,7 @@ def test_transformer_layers_match_oracle(cfg, seed):
     """Batch-first only: the layers' Linear and LayerNorm rules read examples from dim 0."""
     d, heads, T, n, bf = 4, 2, cfg["T"], cfg["n"], True
     g = torch.Generator().manual_seed(seed)
-    common = dict(dim_feedforward=6, dropout=0.0, activation=cfg["activation"], batch_first=bf,
+    common = dict(dim_feedforward=6, dropout=cfg["dropout"], activation=cfg["activation"], batch_first=bf,
                   norm_first=cfg["norm_first"], bias=cfg["bias"])
 
     def make():
@@ -159,7 +162,7 @@ def test_transformer_layers_match_oracle(cfg, seed):
 
     inputs, dims = inputs + (padding,), dims + (0,)
     y = _randn(g, n, T * d)
-    check_rule_case(make, inputs, y, forward, mse, batch_dims=dims)
+    check_rule_case(make, inputs, y, forward, mse, batch_dims=dims, random=cfg["dropout"] > 0)
 
 
 @pytest.mark.parametrize("layer", ["encoder", "decoder"])
@@ -222,15 +225,29 @@ def test_partly_frozen_attention(frozen):
     check_rule_case(make, (x,), y, lambda m, x: m(x, x, x)[0].flatten(1), mse)
 
 
-def test_attention_dropout_in_training_is_refused():
-    layer = nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.1, batch_first=True)
-    opt = dpoptim.DPSGD(layer.parameters(), lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0,
-                        expected_batch_size=2, sample_rate=0.1)
-    with pytest.raises(ValueError, match="self_attn.dropout = 0.0"):
-        layer(torch.randn(2, 3, 4))
-    layer.self_attn.dropout = 0.0  # the fix the error names: the layer's other dropouts stay
-    layer(torch.randn(2, 3, 4)).sum().backward()
-    opt.step()
+def test_attention_dropout_masks_are_the_forwards():
+    """A stock encoder layer (attention dropout 0.1) against the same-randomness oracle, and
+    a control: the masks matter, so a rule that ignored them could not pass."""
+    g = torch.Generator().manual_seed(12)
+    x, y = _randn(g, 6, 5, 8), _randn(g, 6, 40)
+    make = lambda: nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True).double()  # noqa: E731
+    forward = lambda m, x: m(x).flatten(1)  # noqa: E731
+    clip = check_rule_case(make, (x,), y, forward, mse, random=True)
+
+    def without_attention_dropout():
+        layer = make()
+        layer.self_attn.dropout = 0.0
+        return layer
+
+    with pytest.raises(AssertionError, match="differs from the per-example oracle"):
+        # the oracle draws attention masks; this model does not: they must disagree
+        torch.manual_seed(0)
+        rng = torch.get_rng_state()
+        reference = make()
+        grads = per_example_gradients(reference, (x,), y, forward, mse, rng=rng)
+        expected, _ = clipped_sum(grads, clip, list(reference.parameters()))
+        got = dp_clipped_sum(without_attention_dropout(), [((x,), y)], clip, forward, mse, rng=rng)
+        assert all(torch.allclose(e, g_) for e, g_ in zip(expected, got)), "differs from the per-example oracle"
 
 
 def test_unbatched_attention_is_refused():
@@ -255,7 +272,6 @@ def test_transformer_training_with_noise_lowers_the_loss():
             self.embed = nn.Embedding(vocab, d)
             self.position = nn.Embedding(T, d)
             layer = nn.TransformerEncoderLayer(d, 2, dim_feedforward=32, dropout=0.1, batch_first=True)
-            layer.self_attn.dropout = 0.0
             self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
             self.head = nn.Linear(d, vocab)
 

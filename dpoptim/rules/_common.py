@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -56,3 +57,30 @@ def ghost_or_materialize(a: torch.Tensor, b: torch.Tensor, cache: dict) -> torch
         return (gram_a * gram_b).sum((1, 2))
     g = cache["materialized"] = torch.bmm(b.transpose(1, 2), a)
     return g.square().sum((1, 2))
+
+
+def rng_state(device: torch.device) -> torch.Tensor:
+    """The state of the default random generator that kernels on ``device`` draw from."""
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    raise ValueError(
+        f"replaying a dropout mask drawn on a {device.type} device is not supported (CPU and CUDA "
+        "are); set the module's dropout to 0 for private training there."
+    )
+
+
+@contextlib.contextmanager
+def rng_replayed(device: torch.device, state: torch.Tensor):
+    """Run the body with the generator of ``device`` set to ``state``: the same kernels with
+    the same shapes draw the same numbers they drew then (what activation checkpointing
+    relies on). The generator's current state comes back afterwards, so the user's random
+    stream is untouched."""
+    forked = {"devices": [device], "device_type": "cuda"} if device.type == "cuda" else {"devices": []}
+    with torch.random.fork_rng(**forked):
+        if device.type == "cpu":
+            torch.set_rng_state(state)
+        else:
+            torch.cuda.set_rng_state(state, device)
+        yield

@@ -38,24 +38,27 @@ materialised norms per weight and one product per weight for the clipped sum.
 ``batch_first=False`` their Linear and LayerNorm children would see ``[T, n, d]`` and
 read positions as examples, so that layout is refused before the forward.
 
-Not supported, with an error before the forward runs: attention dropout (``dropout > 0``) in
-training mode. Its mask is drawn inside the fused attention kernel, where no hook can
-see it. Set the attention's dropout to 0 (``layer.self_attn.dropout = 0.0`` in a
-Transformer layer); the layer's other dropouts (after attention, in the feed-forward
-block) are ``nn.Dropout`` modules and stay exact. Unbatched inputs are refused too.
+Attention dropout (``dropout > 0`` in training) drops entries of ``P`` with a mask drawn
+inside the attention kernel, where no hook can see it. The rule keeps the random
+generator's state from just before the forward and, at replay, runs the attention kernel
+once more exactly as the forward did (same function, shapes and dtype) from that state, so
+it draws the same mask, and differentiates that replay with autograd. Activation
+checkpointing rests on the same property. The first step's comparison with autograd
+confirms it on the user's own device and kernels. Unbatched inputs are refused.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..registry import Rule, register_rule
-from ._common import common_dtype
+from ._common import common_dtype, rng_replayed, rng_state
 from ._factored import Factored, FactoredRule, bias_block, weight_block
 
 __all__ = ["MultiheadAttentionRule", "TransformerLayerGuard"]
@@ -102,16 +105,15 @@ class MultiheadAttentionRule(FactoredRule):
                 return name
         return None
 
+    def __init__(self):
+        self._rng_before = weakref.WeakKeyDictionary()  # module -> generator state before its forward
+
     def check(self, module):
+        # Attention dropout draws its mask inside the attention kernel. Keep the state the
+        # generator had before the forward, so the rule can draw the same mask again.
         if module.training and module.dropout > 0:
-            raise ValueError(
-                f"MultiheadAttention(dropout={module.dropout}) in training mode drops attention weights "
-                "with a mask drawn inside PyTorch's attention kernel, which no hook can see, so its "
-                "per-example gradients cannot be computed exactly. Set the attention dropout to 0 "
-                "(mha.dropout = 0.0; in a Transformer layer, layer.self_attn.dropout = 0.0 and "
-                "layer.multihead_attn.dropout = 0.0): the layer's other dropouts are nn.Dropout "
-                "modules and keep working."
-            )
+            device = module.out_proj.weight.device
+            self._rng_before[module] = (device, rng_state(device))
 
     def parameters(self, module):
         params = super().parameters(module)
@@ -136,12 +138,16 @@ class MultiheadAttentionRule(FactoredRule):
             return t.detach() if module.batch_first else t.detach().transpose(0, 1)
 
         detach = lambda m: None if m is None else m.detach()  # noqa: E731
+        dropout = None
+        if module.training and module.dropout > 0:
+            device, state = self._rng_before[module]
+            dropout = (module.dropout, device, state, output[0].dtype)
         return {
             "query": batch_major(query), "key": batch_major(key), "value": batch_major(value),
             "same_qk": query is key, "same_kv": key is value,
             "key_padding_mask": detach(a["key_padding_mask"]), "attn_mask": detach(a["attn_mask"]),
             "need_weights": a["need_weights"], "average": a["average_attn_weights"],
-            "is_causal": a["is_causal"],
+            "is_causal": a["is_causal"], "dropout": dropout,
         }
 
     def factors(self, use):
@@ -174,34 +180,43 @@ class MultiheadAttentionRule(FactoredRule):
         mask = self._mask(s, n, heads, L, S_total, m, dtype, q.device)
 
         scale = 1.0 / math.sqrt(E // heads)
-        # bmm is much slower on CPU with a transposed second operand: transpose by copy.
-        scores = torch.bmm(q, k.transpose(1, 2).contiguous()).mul_(scale)
-        if mask is not None:
-            scores = (scores.view(n, heads, L, S_total) + mask).view(n * heads, L, S_total)
-        P = torch.softmax(scores, dim=-1)
-        A = _merge(torch.bmm(P, v), heads)  # [n, L, E]
-
         dY = use.grad_outputs[0]
         dY = torch.zeros(n, L, E, dtype=dtype, device=q.device) if dY is None else dY.to(dtype)
         if not m.batch_first:
             dY = dY.transpose(0, 1)
         dA = _heads(torch.matmul(dY, detach(m.out_proj.weight)), heads)
-        dP = torch.bmm(dA, v.transpose(1, 2).contiguous())
+        dW = None  # gradient of the returned attention weights, per head: [n * heads, L, S']
         if len(use.grad_outputs) > 1 and use.grad_outputs[1] is not None:
             dW = use.grad_outputs[1].to(dtype)  # [n, L, S'] averaged over heads, else [n, heads, L, S']
-            dP = (dP.view(n, heads, L, S_total) + (dW.unsqueeze(1) / heads if s["average"] else dW)).view_as(dP)
-        dS = P * (dP - (P * dP).sum(-1, keepdim=True))
-        dS *= scale
-        if fused:  # dq, dk, dv per head in one buffer, then one copy to [n, L, (q|k|v), heads, d_head]
-            d_heads = q.new_empty(3, *q.shape)
-            torch.bmm(dS, k, out=d_heads[0])
-            torch.bmm(dS.transpose(1, 2), q, out=d_heads[1])
-            torch.bmm(P.transpose(1, 2), dA, out=d_heads[2])
-            dqkv = d_heads.view(3, n, heads, L, E // heads).permute(1, 3, 0, 2, 4).reshape(n, L, 3 * E)
-            dq, dk, dv = dqkv.split(E, dim=-1)
-        else:
-            d_heads = torch.bmm(dS, k), torch.bmm(dS.transpose(1, 2), q), torch.bmm(P.transpose(1, 2), dA)
+            dW = (dW.unsqueeze(1).expand(n, heads, L, S_total) / heads if s["average"] else dW).reshape(n * heads, L, S_total)
+
+        if s["dropout"] is not None:
+            A, d_heads = self._replay_with_dropout(q, k, v, mask, dA, dW, s, n, heads, scale)
             dq, dk, dv = (_merge(t, heads) for t in d_heads)  # [n, T, E]
+            if fused:
+                dqkv = torch.cat([dq, dk, dv], dim=-1)
+        else:
+            # bmm is much slower on CPU with a transposed second operand: transpose by copy.
+            scores = torch.bmm(q, k.transpose(1, 2).contiguous()).mul_(scale)
+            if mask is not None:
+                scores = (scores.view(n, heads, L, S_total) + mask).view(n * heads, L, S_total)
+            P = torch.softmax(scores, dim=-1)
+            A = _merge(torch.bmm(P, v), heads)  # [n, L, E]
+            dP = torch.bmm(dA, v.transpose(1, 2).contiguous())
+            if dW is not None:
+                dP += dW
+            dS = P * (dP - (P * dP).sum(-1, keepdim=True))
+            dS *= scale
+            if fused:  # dq, dk, dv per head in one buffer, then one copy to [n, L, (q|k|v), heads, d_head]
+                d_heads = q.new_empty(3, *q.shape)
+                torch.bmm(dS, k, out=d_heads[0])
+                torch.bmm(dS.transpose(1, 2), q, out=d_heads[1])
+                torch.bmm(P.transpose(1, 2), dA, out=d_heads[2])
+                dqkv = d_heads.view(3, n, heads, L, E // heads).permute(1, 3, 0, 2, 4).reshape(n, L, 3 * E)
+                dq, dk, dv = dqkv.split(E, dim=-1)
+            else:
+                d_heads = torch.bmm(dS, k), torch.bmm(dS.transpose(1, 2), q), torch.bmm(P.transpose(1, 2), dA)
+                dq, dk, dv = (_merge(t, heads) for t in d_heads)  # [n, T, E]
 
         factors = {"out_proj.weight": Factored([weight_block(A, dY)], m.out_proj.weight.shape)}
         if m.out_proj.bias is not None:
@@ -227,6 +242,39 @@ class MultiheadAttentionRule(FactoredRule):
             blocks = [bias_block(dqkv)] if fused else [bias_block(dq), bias_block(dk), bias_block(dv)]
             factors["in_proj_bias"] = Factored(blocks, m.in_proj_bias.shape)
         return factors
+
+    @staticmethod
+    def _replay_with_dropout(q, k, v, mask, dA, dW, saved, n, heads, scale):
+        """``A`` and ``(dq, dk, dv)`` per head when the forward dropped attention weights.
+
+        The attention is run again exactly as ``F.multi_head_attention_forward`` ran it (the
+        same kernel, in the same dtype, with the random generator set back to its state
+        before the forward, so the kernel draws the same dropout mask) and differentiated
+        with autograd: a backward over this attention alone, not the model."""
+        p, device, state, attn_dtype = saved["dropout"]
+        n_heads, L, d = q.shape
+        S = k.shape[1]
+        with rng_replayed(device, state), torch.enable_grad():
+            leaves = [t.detach().to(attn_dtype).requires_grad_() for t in (q, k, v)]
+            q_, k_, v_ = leaves
+            if saved["need_weights"]:  # softmax, dropout, then the weighted sum of values
+                scores = torch.bmm(q_ * scale, k_.transpose(1, 2))
+                if mask is not None:
+                    scores = (scores.view(n, heads, L, S) + mask.to(attn_dtype)).view(n_heads, L, S)
+                weights = F.dropout(torch.softmax(scores, dim=-1), p)
+                out = torch.bmm(weights, v_)
+                pairs = [(out, dA)] + ([(weights, dW)] if dW is not None else [])
+            else:  # the fused kernel, called as PyTorch calls it
+                causal = saved["is_causal"] and saved["key_padding_mask"] is None
+                out = F.scaled_dot_product_attention(
+                    q_.view(n, heads, L, d), k_.view(n, heads, S, d), v_.view(n, heads, S, d),
+                    attn_mask=None if causal or mask is None else mask.to(attn_dtype),
+                    dropout_p=p, is_causal=causal,
+                ).view(n_heads, L, d)
+                pairs = [(out, dA)]
+            grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g.to(attn_dtype) for _, g in pairs])
+        dtype = q.dtype
+        return _merge(out.detach().to(dtype), heads), tuple(g.to(dtype) for g in grads)
 
     @staticmethod
     def _mask(saved, n, heads, L, S_total, module, dtype, device):
