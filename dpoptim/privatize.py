@@ -7,6 +7,15 @@
 
 ``B`` is the expected batch size: a constant, never the number of examples drawn, so the
 divisor carries no information about the data.
+
+Generators
+----------
+PyTorch's CPU generator is a Mersenne Twister whose ``manual_seed`` keeps only the low 32
+bits of a seed. Generators seeded afresh at every step (``secure_mode``) would therefore,
+over some 10^5 steps, probably repeat a seed and with it a whole noise vector, and two
+steps with the same noise leak what the noise should hide. :func:`fresh_generator` instead
+fills all 624 words of the state (19,968 bits) from the operating system, so that fresh
+generators never coincide in practice.
 """
 
 from __future__ import annotations
@@ -16,6 +25,10 @@ import secrets
 import torch
 
 __all__ = ["clip_factors", "add_noise_", "fresh_generator"]
+
+_MT_WORDS = 624  # 32-bit words of Mersenne Twister state
+_MT_OFFSET = 24  # where they start in a CPU generator's state (after seed, left, seeded, next)
+_MT_STATE_BYTES = 5056
 
 
 def clip_factors(squared_norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
@@ -62,7 +75,23 @@ def add_noise_(
 
 
 def fresh_generator(device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator seeded from the operating system's entropy pool (never a fixed seed)."""
+    """A generator whose state comes from the operating system's entropy pool (never a
+    fixed seed): all 624 state words on CPU, a 64-bit Philox seed on CUDA."""
+    device = torch.device(device)
     generator = torch.Generator(device=device)
-    generator.manual_seed(secrets.randbits(63))
+    if device.type != "cpu":
+        generator.manual_seed(secrets.randbits(64))
+        return generator
+    state = generator.get_state()
+    if state.numel() != _MT_STATE_BYTES:  # pragma: no cover - a future layout: fail loudly
+        raise RuntimeError(
+            f"unexpected CPU generator state of {state.numel()} bytes (expected {_MT_STATE_BYTES}); "
+            "dpoptim cannot give this PyTorch's generator a full random state"
+        )
+    words = torch.frombuffer(bytearray(secrets.token_bytes(4 * _MT_WORDS)), dtype=torch.int32)
+    state = state.clone()
+    # Each word is stored as a uint64 holding 32 bits; 'left' stays 1, so the next draw
+    # regenerates the twister from exactly these words.
+    state[_MT_OFFSET:_MT_OFFSET + 8 * _MT_WORDS] = (words.to(torch.int64) & 0xFFFFFFFF).view(torch.uint8)
+    generator.set_state(state)
     return generator
