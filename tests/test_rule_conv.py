@@ -80,20 +80,14 @@ def test_conv_matches_oracle(case, n, reduction, clip):
     check_rule_case(make, (x,), y, lambda m, x: m(x), mse, max_grad_norm=clip, reduction=reduction)
 
 
-def _ghost_only(a, b, cache):
-    return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(b, b.transpose(1, 2))).sum((1, 2))
-
-
-def _materialize_only(a, b, cache):
-    g = cache["materialized"] = torch.bmm(b.transpose(1, 2), a)
-    return g.square().sum((1, 2))
-
-
-@pytest.mark.parametrize("route", [_ghost_only, _materialize_only], ids=["ghost", "materialized"])
+@pytest.mark.parametrize("ghost", [True, False], ids=["ghost", "materialized"])
 @pytest.mark.parametrize("groups", [1, 3])
-def test_both_norm_routes_match_oracle(monkeypatch, route, groups):
-    # The cost model picks one route per shape; force each so both are always covered.
-    monkeypatch.setattr(conv_rule, "ghost_or_materialize", route)
+@pytest.mark.parametrize("chunk_bytes", [conv_rule.CHUNK_BYTES, 1])
+def test_both_norm_routes_match_oracle(monkeypatch, ghost, groups, chunk_bytes):
+    # The cost model picks one route per shape; force each so both are always covered,
+    # with the batch in one chunk and one example per chunk.
+    monkeypatch.setattr(conv_rule.ConvRule, "use_ghost", staticmethod(lambda T, d, p: ghost))
+    monkeypatch.setattr(conv_rule, "CHUNK_BYTES", chunk_bytes)
     g = torch.Generator().manual_seed(groups)
     x = torch.randn(5, 6, 7, 6, generator=g, dtype=torch.float64)
     y = torch.randn(5, 2, generator=g, dtype=torch.float64)

@@ -20,8 +20,14 @@ Then, per group,
   squared norm of the whole weight is the sum over groups.
 * bias: ``g_i = sum_t b_t``.
 
-The clipped sum ``sum_i c_i g_i = (c . b)^T a`` is one batched matrix product over the
-groups (book-keeping, Bu et al. 2023), or a contraction of the materialised ``g_i``.
+The clipped sum ``sum_i c_i g_i`` is a contraction of the materialised ``g_i``, or, on the
+ghost route, the convolution's own weight-gradient kernel applied to the scaled output
+gradients ``c_i b_i`` (book-keeping, Bu et al. 2023): no patch matrix is needed for it.
+
+Patches are unfolded a few examples at a time (about ``CHUNK_BYTES`` of patches each):
+the per-example quantities do not mix examples, and one patch matrix for the whole batch
+would be a temporary many times the size of the activations, which on CPU costs more to
+allocate (fresh pages) than to fill.
 
 Padding is reproduced exactly as the forward does it, including 'same' with even kernels
 (the extra zero goes to the right, as in ATen) and the reflect / replicate / circular
@@ -37,9 +43,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..registry import Rule, Use, register_rule
-from ._common import batched, common_dtype, ghost_or_materialize
+from ._common import batched, common_dtype
 
 __all__ = ["ConvRule", "conv_padding", "unfold_patches"]
+
+CHUNK_BYTES = 4 << 20  # patches unfolded per chunk of examples
 
 
 def conv_padding(module: nn.Module) -> list[int]:
@@ -92,98 +100,115 @@ class ConvRule(Rule):
         x = args[0] if args else kwargs["input"]
         return batched(x, module, "input", min_dim=len(module.kernel_size) + 2)
 
-    def _rows(self, use: Use):
-        """Patches ``a: [G*n, T, d]`` and output gradients ``b: [G*n, T, p]``, group-major so
-        that each group's rows are a view; also caches the per-example bias gradients."""
-        if "rows" in use.cache:
-            return use.cache["rows"]
+    @staticmethod
+    def use_ghost(T: int, d: int, p: int) -> bool:
+        """The norm route for ``T`` positions, patch width ``d``, ``p`` outputs per group:
+        ghost (~T^2 (d + p) per example) when cheaper than materialising (~T d p)."""
+        return T * T * (d + p) < T * d * p
+
+    def _prepared(self, use: Use):
+        """The padded input ``[n, C_in, *S]`` and output gradient ``[n, C_out, *L]`` in the
+        common dtype, and the per-example bias gradients ``[n, C_out]``."""
+        if "x" in use.cache:
+            return use.cache["x"], use.cache["grad"]
         module, x, grad = use.module, use.saved, use.grad_outputs[0]
         dtype = common_dtype(x) if grad is None else common_dtype(x, grad)
-        n, groups = x.shape[0], module.groups
-        spatial = len(module.kernel_size)
-
         pads = conv_padding(module)
         x = x.detach().to(dtype)
         if any(pads):
             mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
             x = F.pad(x, pads, mode=mode)
-        patches = unfold_patches(x, module.kernel_size, module.stride, module.dilation)
-        positions = patches.shape[2 : 2 + spatial]
-        T = math.prod(positions)
-        # [n, C, *L, *k] -> [G, n, *L, C/G, *k]: rows are output positions, columns follow
-        # the flattened (C_in/G, *k) layout of a group's weight slice.
-        patches = patches.reshape(n, groups, x.shape[1] // groups, *patches.shape[2:])
-        order = (1, 0, *range(3, 3 + spatial), 2, *range(3 + spatial, 3 + 2 * spatial))
-        d = (x.shape[1] // groups) * math.prod(module.kernel_size)
-        a = patches.permute(order).reshape(groups * n, T, d)
-
         if grad is None:
-            grad = x.new_zeros(n, module.out_channels, *positions)
+            positions = unfold_patches(x[:0], module.kernel_size, module.stride, module.dilation).shape[2:2 + len(module.kernel_size)]
+            grad = x.new_zeros(x.shape[0], module.out_channels, *positions)
         grad = grad.to(dtype)
-        p = module.out_channels // groups
-        b = grad.reshape(n, groups, p, T).permute(1, 0, 3, 2).reshape(groups * n, T, p)
-        use.cache["bias"] = grad.reshape(n, module.out_channels, T).sum(2)
-        use.cache["rows"] = (a, b)
-        return a, b
+        use.cache["x"], use.cache["grad"] = x, grad
+        use.cache["bias"] = grad.flatten(2).sum(2)
+        return x, grad
 
-    def _bias(self, use: Use) -> torch.Tensor:
-        if "bias" not in use.cache:
-            self._rows(use)
-        return use.cache["bias"]
+    def _shapes(self, module, x, grad):
+        groups = module.groups
+        T = math.prod(grad.shape[2:])
+        d = (x.shape[1] // groups) * math.prod(module.kernel_size)
+        return groups, T, d, module.out_channels // groups
 
-    def _to_weight(self, g: torch.Tensor, module, n: int | None = None) -> torch.Tensor:
-        """``[G, p, d]`` to the weight's ``(C_out, C_in/G, *k)`` layout, or ``[G*n, p, d]``
-        to ``[n, C_out, C_in/G, *k]``."""
-        if n is None:
-            return g.reshape(module.weight.shape)
-        g = g.reshape(module.groups, n, *g.shape[1:]).transpose(0, 1)
-        return g.reshape(n, *module.weight.shape)
+    def _chunks(self, module, x, grad, square: bool):
+        """``(start, stop, a, b)`` over chunks of examples: patches ``a: [m*G, d, T]`` and
+        output gradients ``b: [m*G, p, T]``, group-major within each example, columns of
+        ``a`` in the flattened ``(C_in/G, *k)`` layout of a group's weight slice.
+        ``square``: the ghost route's ``T x T`` Gram matrices count towards the chunk size."""
+        n, spatial = x.shape[0], len(module.kernel_size)
+        groups, T, d, p = self._shapes(module, x, grad)
+        per_example = groups * (d * T + (2 * T * T if square else 0)) * x.element_size()
+        step = max(1, CHUNK_BYTES // max(per_example, 1))
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            m = stop - start
+            patches = unfold_patches(x[start:stop], module.kernel_size, module.stride, module.dilation)
+            # [m, C, *L, *k] -> [m, G, C/G, *k, *L] -> [m*G, d, T]
+            patches = patches.reshape(m, groups, x.shape[1] // groups, *patches.shape[2:])
+            order = (0, 1, 2, *range(3 + spatial, 3 + 2 * spatial), *range(3, 3 + spatial))
+            a = patches.permute(order).reshape(m * groups, d, T)
+            b = grad[start:stop].reshape(m * groups, p, T)
+            yield start, stop, a, b
+
+    def _materialize(self, use: Use) -> torch.Tensor:
+        """Per-example weight gradients ``[n, G, p, d]`` (``g_i = sum_t b_t a_t^T`` per group)."""
+        if "materialized" not in use.cache:
+            module = use.module
+            x, grad = self._prepared(use)
+            groups, T, d, p = self._shapes(module, x, grad)
+            g = x.new_empty(x.shape[0] * groups, p, d)
+            for start, stop, a, b in self._chunks(module, x, grad, square=False):
+                torch.bmm(b, a.transpose(1, 2), out=g[start * groups:stop * groups])
+            use.cache["materialized"] = g.view(x.shape[0], groups, p, d)
+        return use.cache["materialized"]
 
     def per_example(self, use, names):
-        n = use.saved.shape[0]
         out = {}
         if "weight" in names:
-            g = use.cache.get("materialized")
-            if g is None:
-                a, b = self._rows(use)
-                g = torch.bmm(b.transpose(1, 2), a)
-            out["weight"] = self._to_weight(g, use.module, n)
+            g = self._materialize(use)
+            out["weight"] = g.reshape(g.shape[0], *use.module.weight.shape)
         if "bias" in names:
-            out["bias"] = self._bias(use)
+            self._prepared(use)
+            out["bias"] = use.cache["bias"]
         return out
 
     def norms(self, use, names):
-        n = use.saved.shape[0]
+        module = use.module
+        x, grad = self._prepared(use)
         out = {}
         if "weight" in names:
-            a, b = self._rows(use)
-            # Every group has the same shapes, so one cost comparison decides for all.
-            per_group = ghost_or_materialize(a, b, use.cache)
-            out["weight"] = per_group.reshape(use.module.groups, n).sum(0)
-            if "materialized" in use.cache:
-                # The clipped sum needs only g_i now. The engine keeps every layer's cache
-                # until the last clipped sum, so holding on to the im2col matrix here would
-                # stack up all conv layers' patches at once.
-                del use.cache["rows"]
+            groups, T, d, p = self._shapes(module, x, grad)
+            if "materialized" in use.cache or not self.use_ghost(T, d, p):
+                out["weight"] = torch.linalg.vector_norm(self._materialize(use).flatten(1), dim=1).square()
+            else:
+                norms = x.new_empty(x.shape[0])
+                for start, stop, a, b in self._chunks(module, x, grad, square=True):
+                    gram_a = torch.bmm(a.transpose(1, 2), a)
+                    gram_b = torch.bmm(b.transpose(1, 2), b)
+                    norms[start:stop] = (gram_a * gram_b).sum((1, 2)).view(stop - start, groups).sum(1)
+                out["weight"] = norms
         if "bias" in names:
-            out["bias"] = self._bias(use).square().sum(1)
+            out["bias"] = use.cache["bias"].square().sum(1)
         return out
 
     def clipped_sum(self, use, names, factors):
-        groups, n = use.module.groups, use.saved.shape[0]
+        module = use.module
+        x, grad = self._prepared(use)
         out = {}
         if "weight" in names:
             g = use.cache.get("materialized")
             if g is not None:
-                g = g.reshape(groups, n, *g.shape[1:])
-                summed = torch.einsum("i,gipd->gpd", factors.to(g.dtype), g)
-            else:
-                a, b = self._rows(use)
-                T, p, d = b.shape[1], b.shape[2], a.shape[2]
-                scaled = b.reshape(groups, n, T, p) * factors.to(b.dtype)[None, :, None, None]
-                summed = torch.bmm(scaled.reshape(groups, n * T, p).transpose(1, 2), a.reshape(groups, n * T, d))
-            out["weight"] = self._to_weight(summed, use.module)
+                out["weight"] = (factors.to(g.dtype) @ g.flatten(1)).view(module.weight.shape)
+            else:  # the convolution's weight gradient of the scaled output gradients
+                scaled = grad * factors.to(grad.dtype).view(-1, *([1] * (grad.dim() - 1)))
+                zeros = [0] * len(module.kernel_size)
+                out["weight"] = torch.ops.aten.convolution_backward(
+                    scaled, x, module.weight.detach().to(x.dtype), None, list(module.stride), zeros,
+                    list(module.dilation), False, zeros, module.groups, [False, True, False],
+                )[1]
         if "bias" in names:
-            bias = self._bias(use)
+            bias = use.cache["bias"]
             out["bias"] = factors.to(bias.dtype) @ bias
         return out
