@@ -83,7 +83,7 @@ class _Group:
 def _forward_pre_hook(engine_ref, module, args):
     engine = engine_ref()
     if engine is not None and torch.is_grad_enabled():
-        engine._on_forward_pre(module)
+        engine._on_forward_pre(module, args)
 
 
 def _forward_hook(engine_ref, module, args, kwargs, output):
@@ -180,6 +180,7 @@ class GradEngine:
         self.detach_parameters = True
         self._detached: dict[int, list] = {}
         self._ghosts: set[int] = set()  # parameters autograd no longer reaches through their module
+        self._kept: set[int] = set()  # parameters some call left attached: autograd reaches them
         self._handles += [
             nn.modules.module.register_module_forward_pre_hook(functools.partial(_forward_pre_hook, self._ref)),
             nn.modules.module.register_module_forward_hook(
@@ -281,25 +282,37 @@ class GradEngine:
         self._decisions[module] = (key, decision)
         return decision
 
-    def _on_forward_pre(self, module) -> None:
+    def _on_forward_pre(self, module, args) -> None:
         decision = self._decide(module)
         if decision is None:
             return
         decision[0].check(module)
         if self.detach_parameters and not self._verify and decision[0].detach_parameters:
-            self._detach(module, decision)
+            self._detach(module, decision, args)
 
-    def _detach(self, module, decision) -> None:
+    def _detach(self, module, decision, args) -> None:
         """Ghost differentiation: for the duration of the forward, replace the module's
-        parameters (all but its smallest, which stays attached so every backward still
-        accumulates somewhere) with detached aliases, so autograd skips weight gradients
-        that the rule computes anyway. Off until the first step has been checked against
-        autograd, and off under torch.distributed (DDP waits for every gradient)."""
+        parameters with detached aliases, so autograd skips weight gradients that the rule
+        computes anyway. One parameter (the smallest) stays attached, so the output has a
+        graph and every backward through the module accumulates into some ``.grad``
+        (which is how a ``backward()`` is told from ``torch.autograd.grad``). A rule with
+        ``detach_all`` gives up that one too when the module's input already leads back to
+        an attached parameter of this optimizer: both needs are then met upstream. Off
+        until the first step has been checked against autograd, and off under
+        torch.distributed (DDP waits for every gradient)."""
         live = [(n, p) for n, p in decision[1] if p.requires_grad]
-        if len(live) < 2 or _distributed():
+        if not live or _distributed():
             return
-        chosen = dict(live).get(decision[0].attached(module, [n for n, _ in live]))
-        keep = chosen if chosen is not None else min(live, key=lambda item: item[1].numel())[1]
+        if decision[0].detach_all and self._reaches_attached(args):
+            keep = None
+        elif len(live) < 2:
+            return
+        else:
+            chosen = dict(live).get(decision[0].attached(module, [n for n, _ in live]))
+            keep = chosen if chosen is not None else min(live, key=lambda item: item[1].numel())[1]
+        if keep is not None:  # a module called twice may keep it in one call, not the other
+            self._kept.add(id(keep))
+            self._ghosts.discard(id(keep))
         swapped = []
         for name, p in live:
             if p is not keep:
@@ -307,8 +320,29 @@ class GradEngine:
                 owner = module.get_submodule(owner) if owner else module
                 owner._parameters[leaf] = p.detach()
                 swapped.append((owner, leaf, p))
-                self._ghosts.add(id(p))
+                if id(p) not in self._kept:
+                    self._ghosts.add(id(p))
         self._detached[id(module)] = swapped
+
+    def _reaches_attached(self, args, budget: int = 64) -> bool:
+        """Whether the autograd graph of a tensor in ``args`` reaches, within ``budget``
+        nodes, a parameter of this optimizer that autograd accumulates into: then every
+        backward through the module accumulates into it."""
+        frontier = [t.grad_fn for t in args if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        seen = set()
+        while frontier and budget > 0:
+            node = frontier.pop(0)
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            budget -= 1
+            variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf
+            if variable is not None:
+                if id(variable) in self._params:
+                    return True
+                continue
+            frontier.extend(fn for fn, _ in node.next_functions if fn is not None)
+        return False
 
     def _restore(self, module) -> None:
         swapped = self._detached.pop(id(module), None)

@@ -71,6 +71,11 @@ class Rule:
     """
 
     detach_parameters = False
+    # With detach_parameters: may the engine detach *every* parameter when the module's
+    # input already has a graph leading to an attached parameter? Worth it when autograd
+    # would do costly work for the one kept attached (a convolution's bias gradient makes
+    # oneDNN compute the weight gradient too).
+    detach_all = False
 
     def parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
         """The parameters this rule accounts for, by name relative to ``module``."""

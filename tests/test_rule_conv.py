@@ -153,3 +153,41 @@ def test_conv_model_trains_with_noise():
     y = (x.mean((1, 2, 3, 4)) > 0).long()
     model = _MixedConvNet()
     assert_trains_with_noise(model, x, y, lr=2.0)
+
+
+class _TwoConvs(nn.Module):
+    """conv -> GroupNorm -> tanh -> conv -> Linear: the second conv's input leads back to
+    attached parameters, so after the first step it may detach all its parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(2, 4, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 4)
+        self.c2 = nn.Conv2d(4, 3, 3, stride=2)
+        self.out = nn.Linear(3 * 2 * 2, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.c2(torch.tanh(self.norm(self.c1(x))))).flatten(1))
+
+
+@pytest.mark.parametrize("input_grad", [False, True])
+def test_convs_detached_entirely_stay_exact(input_grad):
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(5, 2, 6, 6, generator=g, dtype=torch.float64).requires_grad_(input_grad)
+    y = torch.randn(5, 2, generator=g, dtype=torch.float64)
+    check_rule_case(lambda: _TwoConvs().double(), (x,), y, lambda m, x: m(x), mse)
+
+
+def test_only_convs_whose_input_leads_to_an_attached_parameter_detach_everything():
+    model = _TwoConvs()
+    opt = dpoptim.DPSGD(model.parameters(), lr=0.1, noise_multiplier=0.0, max_grad_norm=1.0,
+                        expected_batch_size=4, sample_rate=0.1)
+    x = torch.randn(4, 2, 6, 6)
+    for _ in range(2):  # the first step is checked against autograd with nothing detached
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+    ghosts = opt._engine._ghosts
+    assert {id(model.c2.weight), id(model.c2.bias)} <= ghosts  # its input reaches c1's bias / the norm
+    assert id(model.c1.weight) in ghosts and id(model.c1.bias) not in ghosts  # the data has no graph
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
