@@ -6,11 +6,11 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 from torch import nn
-from torch.nn.utils.rnn import pack_sequence, pad_packed_sequence
+from torch.nn.utils.rnn import pack_padded_sequence, pack_sequence, pad_packed_sequence
 
 import dpoptim
 import dpoptim.rules.rnn  # noqa: F401  (registers the rules until dpoptim.rules imports them)
-from oracle import check_rule_case, clipped_sum, dp_clipped_sum, mse
+from oracle import check_rule_case, clipped_sum, dp_clipped_sum, mse, per_example_gradients
 
 F64 = torch.float64
 
@@ -69,9 +69,8 @@ def test_sequence_layer_matches_oracle(cfg, seed):
     g = torch.Generator().manual_seed(seed)
 
     def make():
-        m = make_module(kind, d, H, num_layers=L, bidirectional=cfg["bidirectional"], batch_first=bf,
-                        bias=cfg["bias"], dropout=dropout, proj_size=proj).double()
-        return m.eval() if dropout else m  # stacked dropout is exact only when it is off
+        return make_module(kind, d, H, num_layers=L, bidirectional=cfg["bidirectional"], batch_first=bf,
+                           bias=cfg["bias"], dropout=dropout, proj_size=proj).double()
 
     x = torch.randn(*((n, T) if bf else (T, n)), d, generator=g, dtype=F64)
     inputs, dims = (x,), (0 if bf else 1,)
@@ -87,16 +86,7 @@ def test_sequence_layer_matches_oracle(cfg, seed):
 
     width = features(*make()(x[:1] if bf else x[:, :1]), bf, use).shape[1] if n else 1
     y = torch.randn(n, width, generator=g, dtype=F64)
-    with pytest.warns(dpoptim.PrivacyWarning) if dropout else _nothing():
-        check_rule_case(make, inputs, y, forward, mse, batch_dims=dims, reduction=cfg["reduction"])
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    check_rule_case(make, inputs, y, forward, mse, batch_dims=dims, reduction=cfg["reduction"], random=dropout > 0)
 
 
 @given(
@@ -302,15 +292,47 @@ def test_partly_frozen_stack():
 
 
 @pytest.mark.parametrize("kind", ["tanh", "lstm", "gru"])
-def test_stacked_dropout_in_training_is_refused(kind):
-    model = make_module(kind, 3, 4, num_layers=2, dropout=0.3)
-    opt = dpoptim.DPSGD(model.parameters(), lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0,
-                        expected_batch_size=2, sample_rate=0.1)
+@pytest.mark.parametrize("packed", [False, True])
+def test_stacked_dropout_masks_are_the_forwards(kind, packed):
+    """Three layers with dropout 0.5, float32 (oneDNN's kernel on CPU) and float64, against
+    the same-randomness oracle; a control shows the masks matter."""
+    g = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, F64):
+        x = torch.randn(5, 6, 3, generator=g, dtype=dtype)
+        y = torch.randn(5, 8, generator=g, dtype=dtype)
+        lengths = torch.tensor([6, 2, 5, 1, 3])
+
+        def forward(m, x):
+            if packed:
+                out, _ = m(pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False))
+                out, _ = pad_packed_sequence(out, batch_first=True, total_length=6)
+            else:
+                out, _ = m(x)
+            return out[:, :, :4].flatten(1)[:, :8]
+
+        make = lambda: make_module(kind, 3, 4, num_layers=3, dropout=0.5, batch_first=True).to(dtype)  # noqa: E731
+        clip = check_rule_case(make, (x,), y, forward, mse, random=True, rtol=1e-7 if dtype == F64 else 1e-4)
+        if dtype == F64:
+            torch.manual_seed(0)
+            rng = torch.get_rng_state()
+            reference = make()
+            expected, _ = clipped_sum(per_example_gradients(reference, (x,), y, forward, mse, rng=rng), clip,
+                                      list(reference.parameters()))
+            no_dropout = make()
+            no_dropout.dropout = 0.0
+            got = dp_clipped_sum(no_dropout, [((x,), y)], clip, forward, mse, rng=rng)
+            assert not all(torch.allclose(e, v) for e, v in zip(expected, got))
+
+
+def test_stacked_dropout_on_cuda_is_refused_with_the_fix():
+    """cuDNN's dropout state cannot be replayed. The check reads only these attributes, so
+    a stand-in for a CUDA module shows the refusal without a GPU."""
+    class OnCuda:
+        training, dropout, num_layers = True, 0.3, 2
+        weight_ih_l0 = torch.empty(0, device="meta")
+
     with pytest.raises(ValueError, match="nn.Dropout"):
-        model(torch.randn(5, 2, 3))
-    with torch.no_grad():
-        model(torch.randn(5, 2, 3))  # nothing is recorded without grad: no error
-    del opt
+        dpoptim.rule_for(nn.LSTM(3, 4)).check(OnCuda())
 
 
 @pytest.mark.parametrize("module", [nn.LSTM(3, 4), nn.GRUCell(3, 4)])

@@ -293,14 +293,17 @@ class Recurrence:
         return dgi, dgh.view(T, n, 3 * H), None
 
 
-def replay_stack(mode, x, h0, c0, weights, num_layers, bidirectional, lengths, output, d_output, dh_n, dc_n):
+def replay_stack(mode, x, h0, c0, weights, num_layers, bidirectional, lengths, output, d_output, dh_n, dc_n,
+                 masks=None):
     """Replay a stacked, possibly bidirectional, recurrent module and backpropagate through it.
 
     ``x: [T, n, in]`` padded (``lengths: [n]``, or None when every sequence has T steps);
     ``h0``/``c0``: ``[layers * directions, n, .]`` (``c0`` None unless LSTM);
     ``weights[layer][direction]``: :class:`LayerWeights`; ``output``: the module's output
     sequence ``[T, n, directions * H_out]`` (the top layer's); ``d_output`` its gradient;
-    ``dh_n``/``dc_n`` the final states' gradients, shaped like ``h0``/``c0``.
+    ``dh_n``/``dc_n`` the final states' gradients, shaped like ``h0``/``c0``; ``masks``: the
+    dropout masks between layers (``masks[l]`` multiplies layer l's output, scaled by
+    ``1 / (1 - p)``, before layer l + 1 reads it), time-major, or None.
 
     Returns ``{(layer, direction): (x_in, h_prev, m, dgi, dgh, dproj, rows)}``, every tensor
     time-major ``[T, n, .]``: the rows and gradients of the per-example weight gradients
@@ -328,6 +331,8 @@ def replay_stack(mode, x, h0, c0, weights, num_layers, bidirectional, lengths, o
         replays.append(row)
         if not top:
             layer_in = row[0].out if directions == 1 else torch.cat([r.out for r in row], dim=-1)
+            if masks is not None:
+                layer_in = layer_in * masks[layer]
 
     result = {}
     d_layer_out = d_output
@@ -341,5 +346,5 @@ def replay_stack(mode, x, h0, c0, weights, num_layers, bidirectional, lengths, o
             if layer > 0:
                 dx = torch.matmul(dgi, replay.weights.w_ih)
                 d_below = dx if d_below is None else d_below + dx
-        d_layer_out = d_below
+        d_layer_out = d_below if masks is None or d_below is None else d_below * masks[layer - 1]
     return result

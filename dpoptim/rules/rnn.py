@@ -21,11 +21,14 @@ delivered to ``output``, ``h_n`` and ``c_n``. Every ``num_layers``, ``bidirectio
 ``PackedSequence`` inputs (the example is the sequence, in the order the batch had before
 packing) are exact. Cost: about one more forward and one weight-free backward of the layer.
 
-Not supported, with an error before the forward runs: ``dropout > 0`` between stacked layers in
-training mode. The kernel draws those dropout masks inside itself; they cannot be
-recovered from anything a hook sees, and without them the replay would not be exact.
-Stack single-layer modules with ``nn.Dropout`` between them instead (same model, same
-cost); in eval mode the dropout is off and the stacked module is fine.
+Dropout between stacked layers (``dropout > 0`` in training) draws its masks inside the
+kernel. On CPU, PyTorch draws them with ordinary dropout calls on each layer's output, one
+after the other, from the default generator: the rule keeps the generator's state from
+before the forward and draws the same masks again, in the same order and shapes (the
+time-major output, or the packed data of a ``PackedSequence``). On CUDA, cuDNN keeps a
+dropout state of its own that nothing outside can replay, so there stacked dropout in
+training is refused before the forward: stack single-layer modules with ``nn.Dropout``
+between them instead (the same model, exact everywhere).
 
 **Cells** are called by the user, step by step. Each call is one use; a cell called T
 times in one forward pass shares its weights across T uses, which the engine sums per
@@ -38,12 +41,15 @@ example from another.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from ..registry import register_rule
-from ._common import common_dtype
+from ._common import common_dtype, rng_replayed, rng_state
 from ._factored import Factored, FactoredRule, bias_block, weight_block
 from ._recurrence import LayerWeights, Recurrence, replay_stack
 
@@ -95,15 +101,27 @@ def _bound(args, kwargs, index, name):
 class RecurrentRule(FactoredRule):
     """``nn.RNN``, ``nn.LSTM``, ``nn.GRU``: replay and back-propagation through time."""
 
+    def __init__(self):
+        self._rng_before = weakref.WeakKeyDictionary()  # module -> generator state before its forward
+
+    @staticmethod
+    def _drops(module) -> bool:
+        return module.training and module.dropout > 0 and module.num_layers > 1
+
     def check(self, module):
-        if module.training and module.dropout > 0 and module.num_layers > 1:
+        if not self._drops(module):
+            return
+        device = module.weight_ih_l0.device
+        if device.type != "cpu":
             raise ValueError(
                 f"{type(module).__name__}(num_layers={module.num_layers}, dropout={module.dropout}) in "
-                "training mode drops units between its layers with masks drawn inside PyTorch's fused "
-                "kernel, which no hook can see, so its per-example gradients cannot be computed exactly. "
-                f"Stack {module.num_layers} single-layer {type(module).__name__}s with nn.Dropout("
-                f"{module.dropout}) between them (dpoptim clips that exactly), or set dropout=0."
+                f"training mode on {device.type} drops units between its layers with masks that the fused "
+                "kernel (cuDNN) draws from a dropout state of its own, which cannot be replayed, so its "
+                f"per-example gradients cannot be computed exactly. Stack {module.num_layers} single-layer "
+                f"{type(module).__name__}s with nn.Dropout({module.dropout}) between them (dpoptim clips "
+                "that exactly), or set dropout=0."
             )
+        self._rng_before[module] = rng_state(device)
 
     def save(self, module, args, kwargs, output):
         x = _bound(args, kwargs, 0, "input")
@@ -111,7 +129,8 @@ class RecurrentRule(FactoredRule):
         if not isinstance(x, PackedSequence) and x.dim() != 3:
             raise _unbatched(module, x.shape)
         out = output[0]
-        return _detach(x), _detach(hx), (out.data if isinstance(out, PackedSequence) else out).detach()
+        state = self._rng_before[module] if self._drops(module) else None
+        return _detach(x), _detach(hx), (out.data if isinstance(out, PackedSequence) else out).detach(), state
 
     def outputs(self, module, output):
         out, hidden = output
@@ -120,7 +139,7 @@ class RecurrentRule(FactoredRule):
 
     def factors(self, use):
         module = use.module
-        x, hx, out = use.saved
+        x, hx, out, state = use.saved
         lstm = module.mode == "LSTM"
         directions = 2 if module.bidirectional else 1
         H_out = module.proj_size if module.proj_size > 0 else module.hidden_size
@@ -158,8 +177,9 @@ class RecurrentRule(FactoredRule):
                                    for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr")))
                     for d in range(directions)] for layer in range(module.num_layers)]
 
+        masks = None if state is None else self._masks(module, x, out, state, dtype)
         replayed = replay_stack(module.mode, inputs, h0, c0, weights, module.num_layers, module.bidirectional,
-                                lengths, output, d_output, dh_n, dc_n)
+                                lengths, output, d_output, dh_n, dc_n, masks)
         factors = {}
         for key, (x_in, h_prev, m, dgi, dgh, dproj, rows) in replayed.items():
             # Time-major rows (batch_dim=1). For RNN and LSTM dgh is dgi, one object, so
@@ -176,6 +196,23 @@ class RecurrentRule(FactoredRule):
                 if blocks is not None and p is not None:
                     factors[kind + suffixes[key]] = Factored(blocks, p.shape)
         return factors
+
+    @staticmethod
+    def _masks(module, x, out, state, dtype):
+        """The dropout masks the forward drew between layers, time-major and padded: the
+        CPU kernel drops each layer's output (time-major, or the packed data) in turn."""
+        masks = []
+        with rng_replayed(out.device, state):
+            for _ in range(module.num_layers - 1):
+                if isinstance(x, PackedSequence):
+                    mask = F.dropout(torch.ones(out.shape, dtype=out.dtype, device=out.device), module.dropout)
+                    mask, _ = pad_packed_sequence(x._replace(data=mask))
+                else:
+                    T, n = (out.shape[1], out.shape[0]) if module.batch_first else out.shape[:2]
+                    mask = F.dropout(torch.ones(T, n, out.shape[-1], dtype=out.dtype, device=out.device),
+                                     module.dropout)
+                masks.append(mask.to(dtype))
+        return masks
 
     @staticmethod
     def _weight(module, name, dtype):
