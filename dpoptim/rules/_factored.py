@@ -170,7 +170,7 @@ class FactoredRule(Rule):
     def norms(self, use, names):
         factors = self._factors(use)
         _plan(factors)
-        grams = use.cache.setdefault("grams", {})
+        grams: dict = {}  # shared by this call's blocks, then freed: the clipped sums need none
         return {name: factors[name].norms(grams) for name in names}
 
     def clipped_sum(self, use, names, factors):
