@@ -196,13 +196,12 @@ class MultiheadAttentionRule(FactoredRule):
             if fused:
                 dqkv = torch.cat([dq, dk, dv], dim=-1)
         else:
-            # bmm is much slower on CPU with a transposed second operand: transpose by copy.
-            scores = torch.bmm(q, k.transpose(1, 2).contiguous()).mul_(scale)
+            scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
             if mask is not None:
                 scores = (scores.view(n, heads, L, S_total) + mask).view(n * heads, L, S_total)
             P = torch.softmax(scores, dim=-1)
             A = _merge(torch.bmm(P, v), heads)  # [n, L, E]
-            dP = torch.bmm(dA, v.transpose(1, 2).contiguous())
+            dP = torch.bmm(dA, v.transpose(1, 2))
             if dW is not None:
                 dP += dW
             dS = P * (dP - (P * dP).sum(-1, keepdim=True))
