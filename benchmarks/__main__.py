@@ -68,19 +68,23 @@ def _available_modes(requested) -> list[str]:
     return [m for m in requested if m in MODES]
 
 
-def run_timing(workloads, modes, settings, device, threads, extra_jobs=(), rounds=None) -> tuple[dict, list]:
+def run_timing(workloads, modes, settings, device, threads, extra_jobs=(), rounds=None,
+               together=False) -> tuple[dict, list]:
     """Step times of every workload (and of ``extra_jobs``: (workload, batch, modes)).
 
     The full suite gives every workload a fresh process; --quick times everything in one
-    process, which starts faster."""
+    process, which starts faster. ``together``: all jobs in one process, taking turns
+    round by round (for comparing absolute times across jobs)."""
     out, extra = {}, []
     jobs = [(w.name, settings.batch(w), modes, False) for w in workloads]
     jobs += [(name, batch, job_modes, True) for name, batch, job_modes in extra_jobs]
-    groups = [jobs] if settings.quick else [[job] for job in jobs]
+    groups = [jobs] if settings.quick or together else [[job] for job in jobs]
     for group in groups:
         _log("timing " + ", ".join(f"{name} at batch {batch}" for name, batch, _, _ in group) + " ...")
         args = [a for name, batch, job_modes, _ in group for a in ("--job", f"{name}:{batch}:{'+'.join(job_modes)}")]
         args += ["--device", device, "--warmup", str(settings.warmup), "--rounds", str(rounds or settings.rounds)]
+        if together:
+            args.append("--together")
         result = child.run("benchmarks.timing", args, threads, settings.timeout)
         if "error" in result:
             results = [{"workload": name, "batch_size": batch, "device": device,
@@ -137,7 +141,10 @@ def run_scaling(modes, settings, device, threads, timing=None) -> dict:
     batches = [b for _, b, _ in jobs]
     _log(f"scaling: MLP at batches {batches} ...")
     if timing is None:
-        _, timing = run_timing([], modes, settings, device, threads, extra_jobs=jobs, rounds=settings.scaling_rounds)
+        # One process, all batch sizes taking turns: the fit compares absolute times, and
+        # separate processes would each see the machine's load at their own moment.
+        _, timing = run_timing([], modes, settings, device, threads, extra_jobs=jobs, rounds=settings.scaling_rounds,
+                               together=True)
     memory = _memory_jobs([("mlp", m, b) for b in batches for m in modes], settings, device, threads)
     return {"workload": "mlp", "batches": batches, "modes": modes, "timing": timing, "memory": memory}
 

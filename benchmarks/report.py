@@ -255,7 +255,9 @@ def markdown(doc: dict) -> str:
             continue
         fits = scaling_fit(scaling)
         lines += [f"## Scaling ({DEVICE_LABELS.get(d, d)}): MLP, batch {scaling['batches'][0]} to {scaling['batches'][-1]}", "",
-                  "Step time (median, ms) and extra memory (MiB) per batch size, with least-squares lines "
+                  "Step time (median, ms; every batch size and mode of this section in one process, taking "
+                  "turns round by round, so that the machine's load reaches all alike) and extra memory (MiB) "
+                  "per batch size, with least-squares lines "
                   "`time = a + b n` and `memory = a + b n`. One per-example gradient of this MLP is "
                   f"{4 * PARAMETERS['mlp'] / 1024:.0f} KiB: memory that grew with parameters x batch would "
                   "have a slope of that size.", ""]

@@ -22,7 +22,7 @@ import time
 from . import child
 from .workloads import MODES, WORKLOADS, build, first_line, opacus_available, quiet
 
-__all__ = ["measure"]
+__all__ = ["measure", "measure_together"]
 
 
 def _quantiles(values):
@@ -34,24 +34,32 @@ def _quantiles(values):
 
 
 def measure(workload, modes, batch_size: int, device: str = "cpu", warmup: int = 5, rounds: int = 30) -> dict:
+    """Step times of ``modes`` on one workload at one batch size."""
+    return measure_together([(workload, batch_size, modes)], device, warmup, rounds)[0]
+
+
+def measure_together(jobs, device: str = "cpu", warmup: int = 5, rounds: int = 30) -> list[dict]:
+    """Step times of several ``(workload, batch_size, modes)`` jobs in one process, every
+    mode of every job taking one step per round: load that drifts over time then reaches
+    all of them alike (the scaling section compares absolute times across batch sizes)."""
     import torch
 
-    modes = list(modes)
-    results: dict[str, dict] = {}
-    trainers = {}
-    for mode in modes:
-        if mode.startswith("opacus") and not opacus_available():
-            results[mode] = {"status": "skipped", "error": "Opacus is not installed (pip install '.[bench]')"}
-            continue
-        try:
-            trainers[mode] = build(workload, mode, batch_size, device)
-        except Exception as exc:  # a mode that cannot be set up is a result, not a crash
-            results[mode] = {"status": "failed", "error": "setup: " + first_line(exc)}
+    results: list[dict[str, dict]] = [{} for _ in jobs]
+    trainers = {}  # (job index, mode) -> Trainer
+    for j, (workload, batch_size, modes) in enumerate(jobs):
+        for mode in modes:
+            if mode.startswith("opacus") and not opacus_available():
+                results[j][mode] = {"status": "skipped", "error": "Opacus is not installed (pip install '.[bench]')"}
+                continue
+            try:
+                trainers[j, mode] = build(workload, mode, batch_size, device)
+            except Exception as exc:  # a mode that cannot be set up is a result, not a crash
+                results[j][mode] = {"status": "failed", "error": "setup: " + first_line(exc)}
     for trainer in trainers.values():
         trainer.pause_global_hooks()
 
-    def step(mode) -> float | None:
-        trainer = trainers[mode]
+    def step(key) -> float | None:
+        trainer = trainers[key]
         trainer.resume_global_hooks()
         try:
             trainer.synchronize()
@@ -60,52 +68,56 @@ def measure(workload, modes, batch_size: int, device: str = "cpu", warmup: int =
             trainer.synchronize()
             return time.perf_counter() - start
         except Exception as exc:
-            results[mode] = {"status": "failed", "error": f"step {trainer.steps}: " + first_line(exc)}
-            del trainers[mode]
+            results[key[0]][key[1]] = {"status": "failed", "error": f"step {trainer.steps}: " + first_line(exc)}
+            del trainers[key]
             return None
         finally:
             trainer.pause_global_hooks()
 
     first = {}
-    for mode in list(trainers):
-        first[mode] = step(mode)
+    for key in list(trainers):
+        first[key] = step(key)
     for _ in range(warmup):
-        for mode in list(trainers):
-            step(mode)
+        for key in list(trainers):
+            step(key)
     gc.collect()
 
-    times: dict[str, list[float]] = {mode: [] for mode in trainers}
-    ratios: dict[str, list[float]] = {mode: [] for mode in trainers}
+    times: dict[tuple, list[float]] = {key: [] for key in trainers}
+    ratios: dict[tuple, list[float]] = {key: [] for key in trainers}
     for r in range(rounds):
         order = list(trainers)
         order = order[r % len(order):] + order[: r % len(order)] if order else order
         this_round = {}
-        for mode in order:
-            if mode in trainers:
-                dt = step(mode)
+        for key in order:
+            if key in trainers:
+                dt = step(key)
                 if dt is not None:
-                    this_round[mode] = dt
-        baseline = this_round.get("non-private")
-        for mode, dt in this_round.items():
-            if mode in trainers:
-                times[mode].append(dt)
+                    this_round[key] = dt
+        for (j, mode), dt in this_round.items():
+            if (j, mode) in trainers:
+                times[j, mode].append(dt)
+                baseline = this_round.get((j, "non-private"))
                 if baseline:
-                    ratios[mode].append(dt / baseline)
+                    ratios[j, mode].append(dt / baseline)
 
-    for mode in modes:
-        if mode in trainers and times[mode]:
-            q1, med, q3 = _quantiles(times[mode])
-            entry = {"status": "ok", "median_ms": med * 1e3, "q1_ms": q1 * 1e3, "q3_ms": q3 * 1e3,
-                     "first_step_ms": first[mode] * 1e3, "steps": len(times[mode])}
-            if ratios[mode]:
-                r1, rmed, r3 = _quantiles(ratios[mode])
-                entry.update(ratio=rmed, ratio_q1=r1, ratio_q3=r3)
-            results[mode] = entry
-    return {
-        "workload": workload.name, "batch_size": batch_size, "device": device,
-        "threads": torch.get_num_threads(), "warmup": warmup, "rounds": rounds,
-        "modes": {mode: results[mode] for mode in modes if mode in results},
-    }
+    out = []
+    for j, (workload, batch_size, modes) in enumerate(jobs):
+        for mode in modes:
+            key = (j, mode)
+            if key in trainers and times[key]:
+                q1, med, q3 = _quantiles(times[key])
+                entry = {"status": "ok", "median_ms": med * 1e3, "q1_ms": q1 * 1e3, "q3_ms": q3 * 1e3,
+                         "first_step_ms": first[key] * 1e3, "steps": len(times[key])}
+                if ratios[key]:
+                    r1, rmed, r3 = _quantiles(ratios[key])
+                    entry.update(ratio=rmed, ratio_q1=r1, ratio_q3=r3)
+                results[j][mode] = entry
+        out.append({
+            "workload": workload.name, "batch_size": batch_size, "device": device,
+            "threads": torch.get_num_threads(), "warmup": warmup, "rounds": rounds,
+            "modes": {mode: results[j][mode] for mode in modes if mode in results[j]},
+        })
+    return out
 
 
 def main(argv=None) -> None:
@@ -118,15 +130,22 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--together", action="store_true",
+                        help="time the jobs in one rotation (round by round) instead of one after the other")
     args = parser.parse_args(argv)
     child.pin_threads(args.threads)
     quiet()
-    results = []
+    jobs = []
     for job in args.job:
         name, batch, *modes = job.split(":")
-        modes = modes[0].split("+") if modes else args.modes.split(",")
-        results.append(measure(WORKLOADS[name], modes, int(batch), args.device, args.warmup, args.rounds))
-        gc.collect()
+        jobs.append((WORKLOADS[name], int(batch), modes[0].split("+") if modes else args.modes.split(",")))
+    if args.together:
+        results = measure_together(jobs, args.device, args.warmup, args.rounds)
+    else:
+        results = []
+        for workload, batch, modes in jobs:
+            results.append(measure(workload, modes, batch, args.device, args.warmup, args.rounds))
+            gc.collect()
     child.emit({"jobs": results})
 
 
