@@ -40,6 +40,18 @@ def squared_norms(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x.flatten(1), dim=1).square()
 
 
+def scaled_product(b: torch.Tensor, a: torch.Tensor, factors: torch.Tensor, batch_dim: int = 0) -> torch.Tensor:
+    """``sum_i factors_i sum_t b_t a_t^T`` for rows ``a: [n, T, d]``, ``b: [n, T, p]`` (``[T, n, .]``
+    with ``batch_dim=1``): one matrix product, the factors applied to the smaller operand."""
+    c = factors.to(b.dtype)
+    c = c[:, None, None] if batch_dim == 0 else c[None, :, None]
+    if a.numel() < b.numel():
+        a = a * c
+    else:
+        b = b * c
+    return b.reshape(-1, b.shape[-1]).t().mm(a.reshape(-1, a.shape[-1]))
+
+
 def ghost_or_materialize(a: torch.Tensor, b: torch.Tensor, cache: dict) -> torch.Tensor:
     """``||sum_t b_t a_t^T||^2`` per example for ``a: [n, T, d]``, ``b: [n, T, p]``.
 

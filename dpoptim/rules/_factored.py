@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import Rule, Use
+from ._common import scaled_product
 
 __all__ = ["Factored", "FactoredRule", "weight_block", "bias_block"]
 
@@ -82,8 +83,7 @@ class _Block:
             return torch.tensordot(c, self.materialized, dims=1)
         if self.clipped is not None:
             return self.clipped
-        scaled = self.b * (c[:, None, None] if self.batch_dim == 0 else c[None, :, None])
-        return scaled.reshape(-1, scaled.shape[-1]).t().mm(self.a.reshape(-1, self.a.shape[-1]))
+        return scaled_product(self.b, self.a, c, self.batch_dim)
 
 
 def weight_block(a: torch.Tensor, b: torch.Tensor, batch_dim: int = 0, joint=None) -> _Block:
@@ -192,14 +192,12 @@ def _clip_shared(factored: dict, names, factors) -> None:
         if len(blocks) < 2 or len({blk.batch_dim for blk in blocks}) > 1:
             continue
         first = blocks[0]
-        c = factors.to(first.b.dtype)
-        scaled = first.b * (c[:, None, None] if first.batch_dim == 0 else c[None, :, None])
         rows = _side_by_side(blocks)
         if rows is None:
-            rows = torch.cat([blk.a.reshape(-1, blk.a.shape[-1]) for blk in blocks], dim=1)
+            rows = torch.cat([blk.a for blk in blocks], dim=-1)
         else:
             blocks = sorted(blocks, key=lambda blk: blk.joint[1])
-        summed = scaled.reshape(-1, scaled.shape[-1]).t().mm(rows.reshape(-1, rows.shape[-1]))
+        summed = scaled_product(first.b, rows, factors, first.batch_dim)
         for blk, part in zip(blocks, summed.split([blk.a.shape[-1] for blk in blocks], dim=1)):
             blk.clipped = part
 

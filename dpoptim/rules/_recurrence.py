@@ -214,16 +214,21 @@ class Recurrence:
             self.Kgi, self.Kgh, self.u = Kgi, Kgh, u
 
     def _cell_states(self, i, f, g, c):
+        """``c_t = f_t c_{t-1} + i_t g_t`` in order, written into one buffer ``C`` of T + 1
+        states: ``(c_prev, c_new)`` are two views of it, no copies."""
         T = i.shape[0]
-        c_prev, c_new = [None] * T, [None] * T
         ig = i * g
+        C = ig.new_empty(T + 1, *ig.shape[1:])
+        reverse = self.order[0] != 0 if T else False
+        first = T if reverse else 0
+        C[first] = c
         for t in self.order:
-            c_t = torch.addcmul(ig[t], f[t], c)
-            if self.active is not None:
-                c_t = torch.where(self.active[t], c_t, c)
-            c_prev[t], c_new[t] = c, c_t
-            c = c_t
-        return torch.stack(c_prev), torch.stack(c_new)
+            src, dst = (t + 1, t) if reverse else (t, t + 1)
+            if self.active is None:
+                torch.addcmul(ig[t], f[t], C[src], out=C[dst])
+            else:
+                torch.where(self.active[t], torch.addcmul(ig[t], f[t], C[src]), C[src], out=C[dst])
+        return (C[1:], C[:-1]) if reverse else (C[:-1], C[1:])
 
     # -------------------------------------------------------------------- backward
     def backward(self, d_out, dh_last, dc_last=None, dc_is_total=False):

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..registry import Rule, Use, register_rule
-from ._common import batched, ghost_or_materialize, rows_by_example, squared_norms
+from ._common import batched, ghost_or_materialize, rows_by_example, scaled_product, squared_norms
 
 
 @register_rule(nn.Linear)
@@ -66,8 +66,7 @@ class LinearRule(Rule):
             if g is not None:
                 out["weight"] = torch.tensordot(factors.to(g.dtype), g, dims=1)
             else:
-                scaled = b * factors.to(b.dtype)[:, None, None]
-                out["weight"] = scaled.flatten(0, 1).t().mm(a.flatten(0, 1))
+                out["weight"] = scaled_product(b, a, factors)
         if "bias" in names:
             bias = use.cache.get("bias")
             if bias is None:
