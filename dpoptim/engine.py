@@ -450,8 +450,17 @@ class GradEngine:
             self._process_uses(group, uses, counts)
 
     def _process_uses(self, group, uses, counts):
-        def own(record):
+        # A parameter of several uses (tied weights, a module called twice) needs the cross
+        # terms between its uses: from the rules' factored terms when all offer them and
+        # that is cheaper, else from materialised per-example gradients.
+        factored = self._shared_terms(uses, counts)
+        by_terms = set(factored)
+
+        def own(record):  # the rule computes these norms itself
             return [n for n, p in record.params if counts[id(p)] == 1]
+
+        def summed(record):  # the rule computes these clipped sums itself
+            return [n for n, p in record.params if counts[id(p)] == 1 or id(p) in by_terms]
 
         squared = []
         sizes = set()
@@ -461,7 +470,8 @@ class GradEngine:
                 norms = self._checked_norms(record, use, names)
                 sizes.add((type(record.module).__name__, norms[0].shape[0]))
                 squared.extend(norms)
-        shared = self._shared_per_example(uses, counts)
+        squared.extend(_norms_of_terms(terms) for terms in factored.values())
+        shared = self._shared_per_example(uses, counts, skip=by_terms)
         squared.extend(g.flatten(1).square().sum(1) for g in shared.values())
         if len({s.shape[0] for s in squared}) > 1:
             found = ", ".join(f"{name}: {n}" for name, n in sorted(sizes))
@@ -492,9 +502,10 @@ class GradEngine:
         # Off the checked first step nothing needs a use after its clipped sum: let its saved
         # inputs, output gradients and rule cache go at once, so that the last clipped sums
         # run with the earlier layers' activations already freed.
+        del factored  # their tensors belong to the uses, released below
         release = not self._verify
         for i, (record, use) in enumerate(uses):
-            names = own(record)
+            names = summed(record)
             if names:
                 self._accumulate(self._sums, record, record.rule.clipped_sum(use, names, weights.to(total.dtype)))
             if release:
@@ -508,7 +519,7 @@ class GradEngine:
         if self._verify:
             ones = torch.ones_like(total)
             for record, use in uses:
-                names = own(record)
+                names = summed(record)
                 if names:
                     self._accumulate(self._raw_sums, record, record.rule.clipped_sum(use, names, ones))
             for pid, g in shared.items():
@@ -529,11 +540,37 @@ class GradEngine:
                 )
         return [norms[name] for name in names]
 
-    def _shared_per_example(self, uses, counts):
+    def _shared_terms(self, uses, counts) -> dict[int, list]:
+        """Factored terms of every shared parameter whose uses all offer them and whose
+        ghost norm (a Gram matrix over all its rows) costs less than materialising."""
+        terms: dict[int, list] = {}
+        refused: set[int] = set()
+        for record, use in uses:
+            for name, p in record.params:
+                if counts[id(p)] > 1 and id(p) not in refused:
+                    found = record.rule.terms(use, name)
+                    if found is None:
+                        refused.add(id(p))
+                    else:
+                        terms.setdefault(id(p), []).extend(found)
+        out = {}
+        for pid, found in terms.items():
+            if pid in refused:
+                continue
+            p = self._params[pid]
+            n = found[0][0].shape[0]
+            rows = sum(out_side.shape[1] for out_side, _ in found)
+            width = p.shape[0] + (p[0].numel() if p.dim() > 1 else 1)
+            # Ghost ~ rows^2 (p + d) per example; materialising ~ rows p d, and n p d memory.
+            if rows * width <= p.numel() or n * p.numel() > _MATERIALIZE_LIMIT:
+                out[pid] = found
+        return out
+
+    def _shared_per_example(self, uses, counts, skip=()):
         shared: dict[int, torch.Tensor] = {}
         for record, use in uses:
             for name, p in record.params:
-                if counts[id(p)] > 1:
+                if counts[id(p)] > 1 and id(p) not in skip:
                     g = record.rule.per_example(use, [name])[name]
                     shared[id(p)] = g if id(p) not in shared else shared[id(p)] + g
         return shared
@@ -612,6 +649,51 @@ _USED_ELSEWHERE = (
     "the parameters), or its module's rule is wrong. Route every use through a module with a "
     "rule; put weight penalties in the optimizer's weight_decay."
 )
+
+
+# Above this many numbers, a shared parameter's per-example gradients are not materialised
+# when its rules offer factored terms, even where that would be the cheaper route.
+_MATERIALIZE_LIMIT = 1 << 24
+
+
+def _norms_of_terms(terms) -> torch.Tensor:
+    """``||sum_u g_i^u||^2`` per example from factored terms (see ``Rule.terms``): with all
+    rows of all uses stacked, ``sum_{t,s} (out_t . out_s)(inp_t . inp_s)``, cross terms
+    between uses included. Index rows (one-hot) and dense rows are stacked separately."""
+    dtype = functools.reduce(torch.promote_types, (t.dtype for pair in terms for t in pair
+                                                   if t is not None and t.is_floating_point()), torch.float32)
+
+    def stack(group):
+        out = torch.cat([o if not o.is_floating_point() else o.to(dtype) for o, _ in group], dim=1)
+        inp = None if group[0][1] is None else torch.cat([i.to(dtype) for _, i in group], dim=1)
+        return out, inp
+
+    dense = [pair for pair in terms if pair[0].is_floating_point()]
+    index = [pair for pair in terms if not pair[0].is_floating_point()]
+    groups = [stack(g) for g in (dense, index) if g]
+    total = None
+    for a in range(len(groups)):
+        for b in range(a, len(groups)):
+            value = _term_inner(groups[a], groups[b], dtype)
+            value = value if a == b else 2 * value
+            total = value if total is None else total + value
+    return total
+
+
+def _term_inner(x, y, dtype) -> torch.Tensor:
+    """``sum_{t,s} (out^x_t . out^y_s)(inp^x_t . inp^y_s)`` per example."""
+    (ox, ix), (oy, iy) = x, y
+    if ox.is_floating_point() and oy.is_floating_point():
+        outer = torch.bmm(ox, oy.transpose(1, 2))
+    elif ox.is_floating_point():  # rows of ox read at y's indices
+        outer = ox.gather(2, oy.unsqueeze(1).expand(-1, ox.shape[1], -1))
+    elif oy.is_floating_point():
+        outer = oy.gather(2, ox.unsqueeze(1).expand(-1, oy.shape[1], -1)).transpose(1, 2)
+    else:
+        outer = (ox.unsqueeze(2) == oy.unsqueeze(1)).to(dtype)
+    if ix is None:
+        return outer.sum((1, 2))
+    return (outer * torch.bmm(ix, iy.transpose(1, 2))).sum((1, 2))
 
 
 def _autocast_enabled() -> bool:

@@ -119,6 +119,19 @@ class Rule:
         grads = self._per_example_cached(use, names)
         return {name: torch.tensordot(factors.to(grads[name].dtype), grads[name], dims=1) for name in names}
 
+    def terms(self, use: Use, name: str) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
+        """Optional: ``g_i(p)`` as a sum of outer products over rows, for parameters shared
+        by several uses, whose norm then needs the cross terms between uses without
+        materialising ``g_i``.
+
+        Each term ``(out, inp)`` means ``g_i = sum_t out_it inp_it^T`` over the weight viewed
+        as ``[p.shape[0], -1]``: ``out`` is ``[n, T, p.shape[0]]``, or an integer tensor
+        ``[n, T]`` of row indices (one-hot rows, as an embedding); ``inp`` is ``[n, T, d]``, or
+        None for a bias (``g_i = sum_t out_it``). None (the default): the engine
+        materialises ``per_example`` instead.
+        """
+        return None
+
     def _per_example_cached(self, use: Use, names: list[str]) -> dict[str, torch.Tensor]:
         cached = use.cache.setdefault("per_example", {})
         missing = [name for name in names if name not in cached]

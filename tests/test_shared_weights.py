@@ -5,6 +5,8 @@ so ``||g_i||^2 = sum_u ||g_i^u||^2 + sum_{u != v} <g_i^u, g_i^v>``: the cross te
 Every case here is checked against the per-example oracle, which knows nothing of uses.
 """
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -13,9 +15,26 @@ from torch import nn
 import dpoptim
 import dpoptim.rules.attention  # noqa: F401  (registers the rules until dpoptim.rules imports them)
 import dpoptim.rules.rnn  # noqa: F401
+from dpoptim import engine as dp_engine
 from oracle import check_rule_case, mse, per_example_gradients
 
 F64 = torch.float64
+ROUTES = pytest.mark.parametrize("route", ["terms", "materialized"])
+
+
+@contextlib.contextmanager
+def shared_route(route):
+    """Force how shared parameters get their cross terms: from the rules' factored terms
+    whatever the cost ('terms'), or from materialised per-example gradients."""
+    limit, shared_terms = dp_engine._MATERIALIZE_LIMIT, dp_engine.GradEngine._shared_terms
+    try:
+        if route == "terms":
+            dp_engine._MATERIALIZE_LIMIT = -1
+        else:
+            dp_engine.GradEngine._shared_terms = lambda self, uses, counts: {}
+        yield
+    finally:
+        dp_engine._MATERIALIZE_LIMIT, dp_engine.GradEngine._shared_terms = limit, shared_terms
 
 
 def _randn(g, *shape):
@@ -24,7 +43,8 @@ def _randn(g, *shape):
 
 @given(n=st.integers(0, 4), rows=st.integers(1, 3), calls=st.integers(2, 3), d=st.integers(1, 4),
        bias=st.booleans(), reduction=st.sampled_from(["mean", "sum"]), seed=st.integers(0, 2**16))
-def test_linear_called_several_times(n, rows, calls, d, bias, reduction, seed):
+@ROUTES
+def test_linear_called_several_times(route, n, rows, calls, d, bias, reduction, seed):
     g = torch.Generator().manual_seed(seed)
     x = _randn(g, n, rows, d)
     y = _randn(g, n, rows * d)
@@ -34,7 +54,8 @@ def test_linear_called_several_times(n, rows, calls, d, bias, reduction, seed):
             x = torch.tanh(m(x))
         return x.flatten(1)
 
-    check_rule_case(lambda: nn.Linear(d, d, bias=bias).double(), (x,), y, forward, mse, reduction=reduction)
+    with shared_route(route):
+        check_rule_case(lambda: nn.Linear(d, d, bias=bias).double(), (x,), y, forward, mse, reduction=reduction)
 
 
 def test_cancelling_uses_give_zero_gradient():
@@ -89,7 +110,8 @@ needs_embedding_rule = pytest.mark.skipif(
     reduction=st.sampled_from(["mean", "sum"]),
     seed=st.integers(0, 2**16),
 )
-def test_tied_embedding_and_output_projection(body, n, T, padding, reduction, seed):
+@ROUTES
+def test_tied_embedding_and_output_projection(route, body, n, T, padding, reduction, seed):
     vocab, d = 7, 4
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(vocab, (n, T), generator=g)
@@ -101,7 +123,8 @@ def test_tied_embedding_and_output_projection(body, n, T, padding, reduction, se
                  "attention": lambda: nn.MultiheadAttention(d, 2, batch_first=True)}[body]()
         return TiedLanguageModel(vocab, d, layer, padding_idx=0 if padding else None).double()
 
-    check_rule_case(make, (tokens,), y, lambda m, t: m(t).flatten(1), mse, reduction=reduction)
+    with shared_route(route):
+        check_rule_case(make, (tokens,), y, lambda m, t: m(t).flatten(1), mse, reduction=reduction)
 
 
 @given(
@@ -110,7 +133,8 @@ def test_tied_embedding_and_output_projection(body, n, T, padding, reduction, se
     n=st.integers(0, 3),
     seed=st.integers(0, 2**16),
 )
-def test_recurrent_module_called_twice(kind, batch_first, n, seed):
+@ROUTES
+def test_recurrent_module_called_twice(route, kind, batch_first, n, seed):
     """One LSTM reads two segments, the second starting from the first's final state."""
     g = torch.Generator().manual_seed(seed)
     T, d, H = 3, 2, 3
@@ -127,11 +151,13 @@ def test_recurrent_module_called_twice(kind, batch_first, n, seed):
         return torch.cat([h[0], c[0]], 1)
 
     dims = (0, 0) if batch_first else (1, 1)
-    check_rule_case(lambda: cls(d, H, batch_first=batch_first).double(), (a, b), y, forward, mse, batch_dims=dims)
+    with shared_route(route):
+        check_rule_case(lambda: cls(d, H, batch_first=batch_first).double(), (a, b), y, forward, mse, batch_dims=dims)
 
 
 @pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
-def test_transformer_layer_shared_across_depth():
+@ROUTES
+def test_transformer_layer_shared_across_depth(route):
     """ALBERT-style: one encoder layer applied three times."""
     g = torch.Generator().manual_seed(4)
     x = _randn(g, 4, 3, 4)
@@ -149,7 +175,8 @@ def test_transformer_layer_shared_across_depth():
             x = m(x)
         return x.flatten(1)
 
-    check_rule_case(make, (x,), y, forward, mse, splits=[1, 3])
+    with shared_route(route):
+        check_rule_case(make, (x,), y, forward, mse, splits=[1, 3])
 
 
 def test_cross_terms_change_the_norm():
@@ -167,3 +194,23 @@ def test_cross_terms_change_the_norm():
         summed = (g1w + g2w).square().sum() + (g1b + g2b).square().sum()
         separate = sum(t.square().sum() for t in (g1w, g1b, g2w, g2b))
         assert abs(float(summed - separate)) > 1e-3 * float(separate)
+
+
+@needs_embedding_rule
+def test_tied_embedding_is_never_materialised(monkeypatch):
+    """A tied vocabulary matrix per example is [n, V, d]: the factored route gets the norm
+    (cross term: the output gradient read at the input tokens) without it."""
+    from dpoptim.rules.embedding import EmbeddingRule
+    from dpoptim.rules.linear import LinearRule
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("per-example gradients were materialised")
+
+    monkeypatch.setattr(EmbeddingRule, "per_example", refuse)
+    monkeypatch.setattr(LinearRule, "per_example", refuse)
+    monkeypatch.setattr(dp_engine, "_MATERIALIZE_LIMIT", 0)
+    g = torch.Generator().manual_seed(9)
+    tokens = torch.randint(50, (4, 6), generator=g)
+    y = _randn(g, 4, 6 * 50)
+    check_rule_case(lambda: TiedLanguageModel(50, 8, nn.Tanh(), padding_idx=0).double(), (tokens,), y,
+                    lambda m, t: m(t).flatten(1), mse)

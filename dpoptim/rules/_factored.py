@@ -163,6 +163,14 @@ class FactoredRule(Rule):
             use.cache["factors"] = self.factors(use)
         return use.cache["factors"]
 
+    def terms(self, use, name):
+        factored = self._factors(use)[name]
+        if len(factored.blocks) != 1:
+            return None  # row blocks of one parameter: materialised instead
+        block = factored.blocks[0]
+        b = block._batch_major(block.b)
+        return [(b, None if block.a is None else block._batch_major(block.a))]
+
     def per_example(self, use, names):
         factors = self._factors(use)
         return {name: factors[name].per_example() for name in names}

@@ -101,6 +101,10 @@ class EmbeddingRule(Rule):
         use.cache["rows"] = (indices, b)
         return use.cache["rows"]
 
+    def terms(self, use, name):
+        indices, b = self._rows(use)  # padding positions already have b = 0
+        return [(indices, b)]
+
     def per_example(self, use, names):
         indices, b = self._rows(use)
         n, p = b.shape[0], b.shape[2]

@@ -38,6 +38,10 @@ class LinearRule(Rule):
             use.cache["rows"] = rows_by_example(a, b)
         return use.cache["rows"]
 
+    def terms(self, use, name):
+        a, b = self._rows(use)
+        return [(b, a)] if name == "weight" else [(b, None)]
+
     def per_example(self, use, names):
         a, b = self._rows(use)
         out = {}
