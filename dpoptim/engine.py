@@ -686,9 +686,9 @@ def _term_inner(x, y, dtype) -> torch.Tensor:
     if ox.is_floating_point() and oy.is_floating_point():
         outer = torch.bmm(ox, oy.transpose(1, 2))
     elif ox.is_floating_point():  # rows of ox read at y's indices
-        outer = ox.gather(2, oy.unsqueeze(1).expand(-1, ox.shape[1], -1))
+        outer = ox.gather(2, oy.long().unsqueeze(1).expand(-1, ox.shape[1], -1))
     elif oy.is_floating_point():
-        outer = oy.gather(2, ox.unsqueeze(1).expand(-1, oy.shape[1], -1)).transpose(1, 2)
+        outer = oy.gather(2, ox.long().unsqueeze(1).expand(-1, oy.shape[1], -1)).transpose(1, 2)
     else:
         outer = (ox.unsqueeze(2) == oy.unsqueeze(1)).to(dtype)
     if ix is None:
