@@ -13,6 +13,18 @@ import torch
 import dpoptim
 
 
+def generator_states():
+    """The states of the default generators (CPU, and every CUDA device if any)."""
+    return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+
+def set_generator_states(states) -> None:
+    cpu, cuda = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
 def _slice(x, i, dim):
     if isinstance(x, torch.Tensor):
         return x.narrow(dim, i, 1)
@@ -27,7 +39,7 @@ def per_example_gradients(model, inputs, targets, forward, loss, batch_dims=None
     ``inputs`` is a tuple of model inputs; ``batch_dims`` gives each one's batch dimension
     (default 0). ``forward(model, *inputs) -> output``, ``loss(output, targets) -> [n]``.
 
-    With ``rng`` (a CPU generator state) the model draws random numbers (dropout): example
+    With ``rng`` (from :func:`generator_states`) the model draws random numbers (dropout): example
     ``i``'s gradient is then that of its own loss term in a forward of the whole batch with
     the generator set to ``rng``, so every example sees the masks the batch saw. Valid for
     models in which examples do not interact.
@@ -41,7 +53,7 @@ def per_example_gradients(model, inputs, targets, forward, loss, batch_dims=None
             xs = tuple(_slice(x, i, d) for x, d in zip(inputs, batch_dims))
             li = loss(forward(model, *xs), _slice(targets, i, 0)).sum()
         else:
-            torch.set_rng_state(rng)
+            set_generator_states(rng)
             li = loss(forward(model, *inputs), targets)[i]
         g = torch.autograd.grad(li, params, allow_unused=True)
         grads.append([torch.zeros_like(p) if gi is None else gi for p, gi in zip(params, g)])
@@ -62,7 +74,7 @@ def clipped_sum(per_example, max_grad_norm, params):
 def dp_clipped_sum(model, batches, max_grad_norm, forward, loss, reduction="mean", optimizer=None, rng=None):
     """What a DPSGD step does to the parameters with lr=1, no noise, expected batch 1:
     minus the clipped sum over all examples of all ``batches`` (one backward each).
-    ``rng``: the CPU generator state to start every forward from."""
+    ``rng``: the generator states (:func:`generator_states`) to start every forward from."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer or dpoptim.DPSGD(
         params, lr=1.0, noise_multiplier=0.0, max_grad_norm=max_grad_norm,
@@ -72,7 +84,7 @@ def dp_clipped_sum(model, batches, max_grad_norm, forward, loss, reduction="mean
     opt.zero_grad()
     for inputs, targets in batches:
         if rng is not None:
-            torch.set_rng_state(rng)
+            set_generator_states(rng)
         losses = loss(forward(model, *inputs), targets)
         (losses.mean() if reduction == "mean" else losses.sum()).backward()
     opt.step()
@@ -92,7 +104,7 @@ def check_rule_case(make_model, inputs, targets, forward, loss, max_grad_norm=No
     model = make_model()
     reference = copy.deepcopy(model)
     params = [p for p in reference.parameters() if p.requires_grad]
-    rng = torch.get_rng_state() if random else None
+    rng = generator_states() if random else None
     assert not (random and splits), "micro-batches draw their own masks"
     grads = per_example_gradients(reference, inputs, targets, forward, loss, batch_dims, rng)
     if max_grad_norm is None:

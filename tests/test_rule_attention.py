@@ -7,7 +7,7 @@ from torch import nn
 
 import dpoptim
 import dpoptim.rules.attention  # noqa: F401  (registers the rule until dpoptim.rules imports it)
-from oracle import check_rule_case, clipped_sum, dp_clipped_sum, mse, per_example_gradients
+from oracle import check_rule_case, clipped_sum, dp_clipped_sum, generator_states, mse, per_example_gradients
 
 F64 = torch.float64
 
@@ -242,7 +242,7 @@ def test_attention_dropout_masks_are_the_forwards():
     with pytest.raises(AssertionError, match="differs from the per-example oracle"):
         # the oracle draws attention masks; this model does not: they must disagree
         torch.manual_seed(0)
-        rng = torch.get_rng_state()
+        rng = generator_states()
         reference = make()
         grads = per_example_gradients(reference, (x,), y, forward, mse, rng=rng)
         expected, _ = clipped_sum(grads, clip, list(reference.parameters()))
@@ -297,3 +297,16 @@ def test_transformer_training_with_noise_lowers_the_loss():
         losses.append(loss.item())
     first, last = sum(losses[:5]) / 5, sum(losses[-10:]) / 10
     assert last < 0.8 * first, f"loss {first:.3f} -> {last:.3f}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_cuda_attention_dropout_is_replayed(dtype):
+    """The replay calls the attention kernel the forward called, from the CUDA generator's
+    state before the forward: fused kernels (float32) draw their masks by the same rule."""
+    g = torch.Generator().manual_seed(13)
+    cuda = torch.device("cuda")
+    x, y = _randn(g, 5, 6, 8).to(cuda, dtype), _randn(g, 5, 48).to(cuda, dtype)
+    make = lambda: nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True).to(cuda, dtype)  # noqa: E731
+    check_rule_case(make, (x,), y, lambda m, x: m(x).flatten(1), mse, random=True,
+                    rtol=1e-7 if dtype == torch.float64 else 1e-3)

@@ -191,3 +191,16 @@ def test_only_convs_whose_input_leads_to_an_attached_parameter_detach_everything
     assert {id(model.c2.weight), id(model.c2.bias)} <= ghosts  # its input reaches c1's bias / the norm
     assert id(model.c1.weight) in ghosts and id(model.c1.bias) not in ghosts  # the data has no graph
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("ghost", [True, False], ids=["ghost", "materialized"])
+def test_cuda_convs_match_oracle(monkeypatch, ghost):
+    """Chunked patches, the conv kernel's clipped sum and detach_all on the GPU."""
+    monkeypatch.setattr(conv_rule.ConvRule, "use_ghost", staticmethod(lambda T, d, p: ghost))
+    monkeypatch.setattr(conv_rule, "CHUNK_BYTES", 512)
+    g = torch.Generator().manual_seed(22)
+    cuda = torch.device("cuda")
+    x = torch.randn(5, 2, 6, 6, generator=g, dtype=torch.float64).to(cuda)
+    y = torch.randn(5, 2, generator=g, dtype=torch.float64).to(cuda)
+    check_rule_case(lambda: _TwoConvs().double().to(cuda), (x,), y, lambda m, x: m(x), mse)

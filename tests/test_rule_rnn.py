@@ -10,7 +10,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pack_sequence, pad_packed_s
 
 import dpoptim
 import dpoptim.rules.rnn  # noqa: F401  (registers the rules until dpoptim.rules imports them)
-from oracle import check_rule_case, clipped_sum, dp_clipped_sum, mse, per_example_gradients
+from oracle import check_rule_case, clipped_sum, dp_clipped_sum, generator_states, mse, per_example_gradients
 
 F64 = torch.float64
 
@@ -314,7 +314,7 @@ def test_stacked_dropout_masks_are_the_forwards(kind, packed):
         clip = check_rule_case(make, (x,), y, forward, mse, random=True, rtol=1e-7 if dtype == F64 else 1e-4)
         if dtype == F64:
             torch.manual_seed(0)
-            rng = torch.get_rng_state()
+            rng = generator_states()
             reference = make()
             expected, _ = clipped_sum(per_example_gradients(reference, (x,), y, forward, mse, rng=rng), clip,
                                       list(reference.parameters()))

@@ -214,3 +214,16 @@ def test_tied_embedding_is_never_materialised(monkeypatch):
     y = _randn(g, 4, 6 * 50)
     check_rule_case(lambda: TiedLanguageModel(50, 8, nn.Tanh(), padding_idx=0).double(), (tokens,), y,
                     lambda m, t: m(t).flatten(1), mse)
+
+
+@needs_embedding_rule
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@ROUTES
+def test_cuda_tied_embedding(route):
+    g = torch.Generator().manual_seed(23)
+    cuda = torch.device("cuda")
+    tokens = torch.randint(30, (4, 5), generator=g).to(cuda)
+    y = _randn(g, 4, 5 * 30).to(cuda)
+    with shared_route(route):
+        check_rule_case(lambda: TiedLanguageModel(30, 6, nn.Tanh(), padding_idx=0).double().to(cuda), (tokens,), y,
+                        lambda m, t: m(t).flatten(1), mse)
