@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -15,6 +16,15 @@ settings.register_profile("thorough", max_examples=300, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
+@pytest.fixture
+def one_thread():
+    """For tests of thousands of tiny steps: a second intra-op thread only adds wake-ups."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", help="also run the tests marked slow (the long audit)")
 
@@ -27,8 +37,6 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--runslow"):
         return
-    import pytest
-
     skip = pytest.mark.skip(reason="slow: run with --runslow")
     for item in items:
         if "slow" in item.keywords:

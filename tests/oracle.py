@@ -161,6 +161,21 @@ def assert_trains_with_noise(model, x, y, lr=2.0, steps=20, factor=0.7):
         assert float(loss_fn(model(x), y)) < factor * first
 
 
+def assert_loss_falls(model, optimizer, batch, loss_fn, steps, factor=0.8):
+    """``steps`` minibatch steps (``batch() -> (x, y)``): the mean loss of the last ten must
+    fall below ``factor`` times that of the first five."""
+    losses = []
+    for _ in range(steps):
+        x, y = batch()
+        loss = loss_fn(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    first, last = sum(losses[:5]) / 5, sum(losses[-10:]) / 10
+    assert last < factor * first, f"loss {first:.3f} -> {last:.3f}"
+
+
 def mse(out, target):
     """Per-example squared error, ``[n]``: the loss most rule tests use."""
     return 0.5 * (out - target).flatten(1).square().sum(1)

@@ -54,13 +54,7 @@ M = 1e3  # canary input magnitude: its gradient is ~M * 1e6, far above C
 CANARY_TARGET = 1e6  # far enough that w_k never gets near it
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Thousands of tiny steps: a second intra-op thread only adds wake-ups."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny steps: see conftest.py
 
 
 # ----------------------------------------------------------------- the mechanism and the attack

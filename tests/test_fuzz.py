@@ -35,13 +35,7 @@ F64 = torch.float64
 FUZZ = settings(max_examples=max(100, settings.default.max_examples))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: a second intra-op thread only adds wake-ups."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny steps: see conftest.py
 
 
 # ----------------------------------------------------------------- blocks
