@@ -305,14 +305,15 @@ class GradEngine:
             return
         if decision[0].detach_all and self._reaches_attached(args):
             keep = None
-        elif len(live) < 2:
-            return
         else:
             chosen = dict(live).get(decision[0].attached(module, [n for n, _ in live]))
             keep = chosen if chosen is not None else min(live, key=lambda item: item[1].numel())[1]
-        if keep is not None:  # a module called twice may keep it in one call, not the other
+            # One call may keep a parameter that another call (of a shared module, or of a
+            # later forward whose input has no graph) detached: autograd reaches it then.
             self._kept.add(id(keep))
             self._ghosts.discard(id(keep))
+            if len(live) < 2:
+                return
         swapped = []
         for name, p in live:
             if p is not keep:

@@ -204,3 +204,24 @@ def test_cuda_convs_match_oracle(monkeypatch, ghost):
     x = torch.randn(5, 2, 6, 6, generator=g, dtype=torch.float64).to(cuda)
     y = torch.randn(5, 2, generator=g, dtype=torch.float64).to(cuda)
     check_rule_case(lambda: _TwoConvs().double().to(cuda), (x,), y, lambda m, x: m(x), mse)
+
+
+def test_conv_detached_in_one_call_and_kept_in_another():
+    """A bias-free conv called on features (detached entirely: its input leads to the
+    Linear's parameters) and on the raw input (its weight must stay attached there): the
+    weight accumulates through the second call, which is no use elsewhere. Found by fuzzing."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.conv = nn.Conv2d(1, 1, 1, bias=False)
+
+        def forward(self, x):
+            features = self.lin(x).view(-1, 1, 2, 2)
+            return (self.conv(features) + self.conv(x.view(-1, 1, 2, 2))).flatten(1)
+
+    g = torch.Generator().manual_seed(30)
+    x = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    check_rule_case(lambda: Model().double(), (x,), y, lambda m, x: m(x), mse)
