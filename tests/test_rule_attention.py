@@ -1,15 +1,35 @@
-"""nn.MultiheadAttention and the Transformer layers built on it against the brute-force oracle."""
+"""nn.MultiheadAttention and the Transformer layers built on it against the brute-force oracle.
+
+The rule has two routes to the attention's internals: it reads them from the fused
+attention kernel's autograd node when PyTorch ran one (``tapped``), and replays the
+attention otherwise (``replayed``). The oracle tests run both."""
+
+import contextlib
+import copy
+from unittest import mock
 
 import pytest
 import torch
 from hypothesis import assume, given, strategies as st
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import dpoptim
-import dpoptim.rules.attention  # noqa: F401  (registers the rule until dpoptim.rules imports it)
+from dpoptim.rules import attention
 from oracle import assert_loss_falls, check_rule_case, clipped_sum, dp_clipped_sum, generator_states, mse, per_example_gradients
 
 F64 = torch.float64
+ROUTES = st.sampled_from(["tapped", "replayed"])
+
+
+@contextlib.contextmanager
+def attention_route(route):
+    """``replayed``: the rule never taps the fused kernel, so it recomputes the attention."""
+    if route == "tapped":
+        yield
+        return
+    with mock.patch.object(attention, "_tap_attention_kernel", lambda *args: None):
+        yield
 
 
 def _randn(g, *shape):
@@ -36,8 +56,8 @@ attention_configs = st.fixed_dictionaries({
 })
 
 
-@given(cfg=attention_configs, seed=st.integers(0, 2**16))
-def test_multihead_attention_matches_oracle(cfg, seed):
+@given(cfg=attention_configs, seed=st.integers(0, 2**16), route=ROUTES)
+def test_multihead_attention_matches_oracle(cfg, seed, route):
     E, heads = cfg["shape"]
     g = torch.Generator().manual_seed(seed)
     n, L = cfg["n"], cfg["L"]
@@ -99,8 +119,9 @@ def test_multihead_attention_matches_oracle(cfg, seed):
         assume(n > 0)  # PyTorch itself cannot run some masks on an empty batch
         raise
     y = _randn(g, n, width)
-    check_rule_case(make, tuple(inputs), y, forward, mse, batch_dims=tuple(dims), reduction=cfg["reduction"],
-                    random=cfg["dropout"] > 0)
+    with attention_route(route):
+        check_rule_case(make, tuple(inputs), y, forward, mse, batch_dims=tuple(dims), reduction=cfg["reduction"],
+                        random=cfg["dropout"] > 0)
 
 
 def _freeze_norms_without_rule(model):
@@ -126,8 +147,8 @@ transformer_configs = st.fixed_dictionaries({
 
 
 @pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
-@given(cfg=transformer_configs, seed=st.integers(0, 2**16))
-def test_transformer_layers_match_oracle(cfg, seed):
+@given(cfg=transformer_configs, seed=st.integers(0, 2**16), route=ROUTES)
+def test_transformer_layers_match_oracle(cfg, seed, route):
     """Batch-first only: the layers' Linear and LayerNorm rules read examples from dim 0."""
     d, heads, T, n, bf = 4, 2, cfg["T"], cfg["n"], True
     g = torch.Generator().manual_seed(seed)
@@ -162,7 +183,50 @@ def test_transformer_layers_match_oracle(cfg, seed):
 
     inputs, dims = inputs + (padding,), dims + (0,)
     y = _randn(g, n, T * d)
-    check_rule_case(make, inputs, y, forward, mse, batch_dims=dims, random=cfg["dropout"] > 0)
+    with attention_route(route):
+        check_rule_case(make, inputs, y, forward, mse, batch_dims=dims, random=cfg["dropout"] > 0)
+
+
+def _encoder_layer():
+    return nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True).double()
+
+
+def test_stock_encoder_layer_reads_the_fused_kernel():
+    """A Transformer layer (attention without returned weights or CPU dropout) runs one of
+    PyTorch's fused attention kernels; the rule takes A, dq, dk, dv from it and never
+    replays, on the first (checked) step and the later (ghost) ones alike."""
+    g = torch.Generator().manual_seed(14)
+    x, y = _randn(g, 4, 5, 8), _randn(g, 4, 40)
+    replay = mock.patch.object(attention.MultiheadAttentionRule, "_replay", side_effect=AssertionError("replayed"))
+    with replay:
+        check_rule_case(_encoder_layer, (x,), y, lambda m, x: m(x).flatten(1), mse)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_is_exact(reentrant):
+    """torch.utils.checkpoint recomputes the forward (hooks and all) in the backward; the
+    clipped sums stay the oracle's. The oracle runs without checkpointing: the reentrant
+    variant supports backward() only, not the oracle's torch.autograd.grad."""
+    g = torch.Generator().manual_seed(15)
+    x, y = _randn(g, 4, 5, 8), _randn(g, 4, 40)
+    torch.manual_seed(0)
+    model = _encoder_layer()
+    reference = [p.detach().clone() for p in model.parameters()]
+    grads = per_example_gradients(copy.deepcopy(model), (x,), y, lambda m, x: m(x).flatten(1), mse)
+    expected, _ = clipped_sum(grads, 0.5, list(model.parameters()))
+
+    def forward(m, x):
+        return checkpoint(m, x.detach().requires_grad_(), use_reentrant=reentrant).flatten(1)
+
+    opt = dpoptim.DPSGD(model.parameters(), lr=1.0, noise_multiplier=0.0, max_grad_norm=0.5,
+                        expected_batch_size=1, sample_rate=0.5)
+    for attempt in ("first step", "later step"):
+        got = dp_clipped_sum(model, [((x,), y)], 0.5, forward, mse, optimizer=opt)
+        for e, g_ in zip(expected, got):
+            torch.testing.assert_close(g_, e, rtol=1e-7, atol=1e-12, msg=attempt)
+        with torch.no_grad():
+            for p, r in zip(model.parameters(), reference):
+                p.copy_(r)
 
 
 @pytest.mark.parametrize("layer", ["encoder", "decoder"])
@@ -299,12 +363,14 @@ def test_transformer_training_with_noise_lowers_the_loss():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_cuda_attention_dropout_is_replayed(dtype):
-    """The replay calls the attention kernel the forward called, from the CUDA generator's
-    state before the forward: fused kernels (float32) draw their masks by the same rule."""
+@pytest.mark.parametrize("route", ["tapped", "replayed"])
+def test_cuda_attention_dropout_matches_oracle(dtype, route):
+    """Tapped, the fused kernel's backward regenerates its own mask. Replayed, the rule calls
+    the kernel the forward called, from the CUDA generator's state before the forward."""
     g = torch.Generator().manual_seed(13)
     cuda = torch.device("cuda")
     x, y = _randn(g, 5, 6, 8).to(cuda, dtype), _randn(g, 5, 48).to(cuda, dtype)
     make = lambda: nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True).to(cuda, dtype)  # noqa: E731
-    check_rule_case(make, (x,), y, lambda m, x: m(x).flatten(1), mse, random=True,
-                    rtol=1e-7 if dtype == torch.float64 else 1e-3)
+    with attention_route(route):
+        check_rule_case(make, (x,), y, lambda m, x: m(x).flatten(1), mse, random=True,
+                        rtol=1e-7 if dtype == torch.float64 else 1e-3)

@@ -11,9 +11,18 @@ Every weight is a Linear map applied to every token, so its per-example gradient
 Linear one with a row per token (:mod:`._factored`): ``g_i(W_q) = sum_t dq_t x_t^T`` and so
 on, ``g_i(W_o) = sum_t dY_t A_t^T``. ``dY`` arrives from autograd; ``A``, ``dq``, ``dk``,
 ``dv`` do not, because ``F.multi_head_attention_forward`` keeps them inside. The rule
-saves the module's inputs and masks at forward time and, at the end of the backward pass,
-recomputes ``q, k, v, P, A`` with the weights detached and backpropagates ``dY`` through
-the attention by hand:
+has two ways to get them.
+
+*Tapped* (the common case: Transformer layers, attention weights not returned). The
+attention is then one ``scaled_dot_product_attention`` call, and when PyTorch runs a fused
+kernel for it, that call is one autograd node. It saves ``A`` for its backward, and its
+backward computes ``dq, dk, dv`` for the user's own backward pass. The rule hooks that
+node at forward time and keeps both: nothing is recomputed.
+
+*Replayed* (attention weights returned, the math fallback, attention dropout on CPU,
+activation checkpointing). The rule saves the module's inputs and masks at forward time
+and, at the end of the backward pass, recomputes ``q, k, v, P, A`` with the weights
+detached and backpropagates ``dY`` through the attention by hand:
 
     ``dA = dY W_o``, ``dv = P^T dA``, ``dP = dA v^T``,
     ``dS = P . (dP - rowsum(P . dP))``, ``dq = dS k / sqrt(d_head)``,
@@ -30,17 +39,18 @@ The module calls ``F.multi_head_attention_forward`` with ``out_proj.weight`` dir
 so the ``out_proj`` Linear's own hooks never fire: this rule claims ``out_proj.weight``
 and ``out_proj.bias``.
 
-Cost: the projections and the attention once more forward and once backward without
-weight gradients (about the attention's own forward and backward), then ghost or
-materialised norms per weight and one product per weight for the clipped sum.
+Cost: ghost or materialised norms per weight and one product per weight for the clipped
+sum; replayed, also the projections and the attention once more forward and once
+backward without weight gradients (about the attention's own forward and backward).
 
 ``nn.TransformerEncoderLayer``/``DecoderLayer`` get a guard, not a rule: with
 ``batch_first=False`` their Linear and LayerNorm children would see ``[T, n, d]`` and
 read positions as examples, so that layout is refused before the forward.
 
 Attention dropout (``dropout > 0`` in training) drops entries of ``P`` with a mask drawn
-inside the attention kernel, where no hook can see it. The rule keeps the random
-generator's state from just before the forward and, at replay, runs the attention kernel
+inside the attention kernel, where no hook can see it. Tapped, the kernel's own backward
+applies its mask. Replayed, the rule keeps the random
+generator's state from just before the forward and runs the attention kernel
 once more exactly as the forward did (same function, shapes and dtype) from that state, so
 it draws the same mask, and differentiates that replay with autograd. Activation
 checkpointing rests on the same property. The first step's comparison with autograd
@@ -49,6 +59,7 @@ confirms it on the user's own device and kernels. Unbatched inputs are refused.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import weakref
@@ -85,6 +96,60 @@ def _merge(t: torch.Tensor, heads: int) -> torch.Tensor:
     """``[n * heads, T, d] -> [n, T, heads * d]``."""
     nh, T, d = t.shape
     return t.view(nh // heads, heads, T, d).transpose(1, 2).reshape(nh // heads, T, heads * d)
+
+
+def _tap_attention_kernel(out: torch.Tensor, inputs, budget: int = 32) -> dict | None:
+    """Hook the autograd node of the fused attention kernel that produced ``out``.
+
+    Without attention weights to return, ``F.multi_head_attention_forward`` computes the
+    attention with one ``scaled_dot_product_attention`` call. When PyTorch ran one of its
+    fused kernels for it, that call is a single autograd node (``ScaledDotProduct...Backward``)
+    between the module's output and its inputs; it keeps the attention output ``A``, and
+    in the backward it computes exactly the ``dq, dk, dv`` the rule needs. The returned box
+    holds ``A`` now and receives the kernel's input gradients when its backward runs, so
+    the replay is skipped. None when there is no single such node within ``budget`` nodes
+    (the math fallback, attention dropout on CPU, a graph PyTorch builds differently):
+    the rule replays then.
+    """
+    if out.grad_fn is None or _saved_tensor_hooks_active():
+        return None
+    stop = {t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    found, seen, frontier = [], set(), [out.grad_fn]
+    while frontier:
+        node = frontier.pop()
+        if node is None or node in seen or node in stop:
+            continue
+        seen.add(node)  # holds the node, so its Python object (and id) stays the same
+        if len(seen) > budget:
+            return None
+        if type(node).__name__.startswith("ScaledDotProduct"):
+            found.append(node)
+            continue
+        frontier.extend(fn for fn, _ in node.next_functions)
+    if len(found) != 1:
+        return None
+    output = getattr(found[0], "_saved_output", None)
+    if not isinstance(output, torch.Tensor):
+        return None
+    box = {"output": output.detach()}
+    found[0].register_hook(functools.partial(_keep_input_grads, box))
+    return box
+
+
+def _keep_input_grads(box, grad_inputs, grad_outputs):
+    # Detached: under create_graph=True they would lead back to this node, which holds the hook.
+    box["grads"] = tuple(None if g is None else g.detach() for g in grad_inputs)
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether tensors saved for backward now go through hooks (activation checkpointing,
+    ``save_on_cpu``): reading the kernel's saved output in the forward would then unpack it
+    early (a recomputation, a copy back). Assumed so when PyTorch cannot tell."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    try:
+        return top is None or top(False) is not None
+    except TypeError:
+        return True
 
 
 @register_rule(nn.MultiheadAttention)
@@ -148,6 +213,8 @@ class MultiheadAttentionRule(FactoredRule):
             "key_padding_mask": detach(a["key_padding_mask"]), "attn_mask": detach(a["attn_mask"]),
             "need_weights": a["need_weights"], "average": a["average_attn_weights"],
             "is_causal": a["is_causal"], "dropout": dropout,
+            "kernel": None if a["need_weights"] else _tap_attention_kernel(
+                output[0], (query, key, value, a["key_padding_mask"], a["attn_mask"])),
         }
 
     def factors(self, use):
@@ -158,64 +225,23 @@ class MultiheadAttentionRule(FactoredRule):
         dtype = common_dtype(s["query"], *weights)
         xq, xk, xv = (s[name].to(dtype) for name in ("query", "key", "value"))
         n, L, S = xq.shape[0], xq.shape[1], xk.shape[1]
-        detach = lambda p: None if p is None else p.detach().to(dtype)  # noqa: E731
-
         # One projection when query, key and value are one tensor (self-attention).
         fused = packed and s["same_qk"] and s["same_kv"] and m.bias_k is None and not m.add_zero_attn
-        if fused:
-            qkv = F.linear(xq, detach(m.in_proj_weight), detach(m.in_proj_bias))
-            q, k, v = qkv.view(n, L, 3, heads, E // heads).permute(2, 0, 3, 1, 4).reshape(3, n * heads, L, E // heads)
-        else:
-            w_q, w_k, w_v = detach(m.in_proj_weight).chunk(3) if packed else map(detach, weights)
-            b_q, b_k, b_v = detach(m.in_proj_bias).chunk(3) if m.in_proj_bias is not None else (None,) * 3
-            q, k, v = F.linear(xq, w_q, b_q), F.linear(xk, w_k, b_k), F.linear(xv, w_v, b_v)
-            if m.bias_k is not None:
-                k = torch.cat([k, detach(m.bias_k).expand(n, 1, E)], dim=1)
-                v = torch.cat([v, detach(m.bias_v).expand(n, 1, E)], dim=1)
-            q, k, v = _heads(q, heads), _heads(k, heads), _heads(v, heads)  # [n * heads, T, d_head]
-            if m.add_zero_attn:
-                k = torch.cat([k, k.new_zeros(n * heads, 1, k.shape[-1])], dim=1)
-                v = torch.cat([v, v.new_zeros(n * heads, 1, v.shape[-1])], dim=1)
-        S_total = k.shape[1]
-        mask = self._mask(s, n, heads, L, S_total, m, dtype, q.device)
-
-        scale = 1.0 / math.sqrt(E // heads)
         dY = use.grad_outputs[0]
-        dY = torch.zeros(n, L, E, dtype=dtype, device=q.device) if dY is None else dY.to(dtype)
+        dY = torch.zeros(n, L, E, dtype=dtype, device=xq.device) if dY is None else dY.to(dtype)
         if not m.batch_first:
             dY = dY.transpose(0, 1)
-        dA = _heads(torch.matmul(dY, detach(m.out_proj.weight)), heads)
-        dW = None  # gradient of the returned attention weights, per head: [n * heads, L, S']
-        if len(use.grad_outputs) > 1 and use.grad_outputs[1] is not None:
-            dW = use.grad_outputs[1].to(dtype)  # [n, L, S'] averaged over heads, else [n, heads, L, S']
-            dW = (dW.unsqueeze(1).expand(n, heads, L, S_total) / heads if s["average"] else dW).reshape(n * heads, L, S_total)
 
-        if s["dropout"] is not None:
-            A, d_heads = self._replay_with_dropout(q, k, v, mask, dA, dW, s, n, heads, scale)
-            dq, dk, dv = (_merge(t, heads) for t in d_heads)  # [n, T, E]
-            if fused:
-                dqkv = torch.cat([dq, dk, dv], dim=-1)
+        routed = self._tapped(use, n, L, dtype)
+        A, d_heads = routed if routed is not None else self._replay(use, xq, xk, xv, dY, fused, dtype)
+        if fused:  # dq, dk, dv in one copy: [n, L, (q|k|v), heads, d_head]
+            dqkv = d_heads[0].new_empty(n, L, 3, heads, E // heads)
+            for i, d in enumerate(d_heads):
+                dqkv[:, :, i].copy_(d.transpose(1, 2))
+            dqkv = dqkv.view(n, L, 3 * E)
+            dq, dk, dv = dqkv.split(E, dim=-1)
         else:
-            scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
-            if mask is not None:
-                scores = (scores.view(n, heads, L, S_total) + mask).view(n * heads, L, S_total)
-            P = torch.softmax(scores, dim=-1)
-            A = _merge(torch.bmm(P, v), heads)  # [n, L, E]
-            dP = torch.bmm(dA, v.transpose(1, 2))
-            if dW is not None:
-                dP += dW
-            dS = P * (dP - (P * dP).sum(-1, keepdim=True))
-            dS *= scale
-            if fused:  # dq, dk, dv per head in one buffer, then one copy to [n, L, (q|k|v), heads, d_head]
-                d_heads = q.new_empty(3, *q.shape)
-                torch.bmm(dS, k, out=d_heads[0])
-                torch.bmm(dS.transpose(1, 2), q, out=d_heads[1])
-                torch.bmm(P.transpose(1, 2), dA, out=d_heads[2])
-                dqkv = d_heads.view(3, n, heads, L, E // heads).permute(1, 3, 0, 2, 4).reshape(n, L, 3 * E)
-                dq, dk, dv = dqkv.split(E, dim=-1)
-            else:
-                d_heads = torch.bmm(dS, k), torch.bmm(dS.transpose(1, 2), q), torch.bmm(P.transpose(1, 2), dA)
-                dq, dk, dv = (_merge(t, heads) for t in d_heads)  # [n, T, E]
+            dq, dk, dv = (d.transpose(1, 2).reshape(n, d.shape[2], E) for d in d_heads)  # [n, T, E]
 
         factors = {"out_proj.weight": Factored([weight_block(A, dY)], m.out_proj.weight.shape)}
         if m.out_proj.bias is not None:
@@ -241,6 +267,74 @@ class MultiheadAttentionRule(FactoredRule):
             blocks = [bias_block(dqkv)] if fused else [bias_block(dq), bias_block(dk), bias_block(dv)]
             factors["in_proj_bias"] = Factored(blocks, m.in_proj_bias.shape)
         return factors
+
+    @staticmethod
+    def _tapped(use, n, L, dtype):
+        """``A`` ``[n, L, E]`` and ``(dq, dk, dv)`` ``[n, heads, T, d_head]`` as the forward's
+        fused attention kernel and its backward computed them (:func:`_tap_attention_kernel`),
+        or None when the kernel was not tapped, its backward did not run or the shapes are
+        not the ones the replay would produce."""
+        m, box = use.module, use.saved["kernel"]
+        grads = None if box is None else box.get("grads")
+        if grads is None or len(grads) < 3 or any(g is None for g in grads[:3]):
+            return None
+        out, (dq, dk, dv) = box["output"], grads[:3]
+        heads, d = m.num_heads, m.embed_dim // m.num_heads
+        S = use.saved["key"].shape[1] + int(m.bias_k is not None) + int(m.add_zero_attn)
+        if not (out.shape == dq.shape == (n, heads, L, d) and dk.shape == dv.shape == (n, heads, S, d)):
+            return None
+        return out.transpose(1, 2).reshape(n, L, heads * d).to(dtype), (dq.to(dtype), dk.to(dtype), dv.to(dtype))
+
+    def _replay(self, use, xq, xk, xv, dY, fused, dtype):
+        """``A`` ``[n, L, E]`` and ``(dq, dk, dv)`` ``[n, heads, T, d_head]`` recomputed from the
+        saved inputs, the backward through the attention by hand (module docstring)."""
+        m, s = use.module, use.saved
+        E, heads = m.embed_dim, m.num_heads
+        n, L, S = xq.shape[0], xq.shape[1], xk.shape[1]
+        detach = lambda p: None if p is None else p.detach().to(dtype)  # noqa: E731
+        if fused:
+            qkv = F.linear(xq, detach(m.in_proj_weight), detach(m.in_proj_bias))
+            q, k, v = qkv.view(n, L, 3, heads, E // heads).permute(2, 0, 3, 1, 4).reshape(3, n * heads, L, E // heads)
+        else:
+            packed = m._qkv_same_embed_dim
+            if packed:
+                w_q, w_k, w_v = detach(m.in_proj_weight).chunk(3)
+            else:
+                w_q, w_k, w_v = (detach(w) for w in (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight))
+            b_q, b_k, b_v = detach(m.in_proj_bias).chunk(3) if m.in_proj_bias is not None else (None,) * 3
+            q, k, v = F.linear(xq, w_q, b_q), F.linear(xk, w_k, b_k), F.linear(xv, w_v, b_v)
+            if m.bias_k is not None:
+                k = torch.cat([k, detach(m.bias_k).expand(n, 1, E)], dim=1)
+                v = torch.cat([v, detach(m.bias_v).expand(n, 1, E)], dim=1)
+            q, k, v = _heads(q, heads), _heads(k, heads), _heads(v, heads)  # [n * heads, T, d_head]
+            if m.add_zero_attn:
+                k = torch.cat([k, k.new_zeros(n * heads, 1, k.shape[-1])], dim=1)
+                v = torch.cat([v, v.new_zeros(n * heads, 1, v.shape[-1])], dim=1)
+        S_total = k.shape[1]
+        mask = self._mask(s, n, heads, L, S_total, m, dtype, q.device)
+
+        scale = 1.0 / math.sqrt(E // heads)
+        dA = _heads(torch.matmul(dY, detach(m.out_proj.weight)), heads)
+        dW = None  # gradient of the returned attention weights, per head: [n * heads, L, S']
+        if len(use.grad_outputs) > 1 and use.grad_outputs[1] is not None:
+            dW = use.grad_outputs[1].to(dtype)  # [n, L, S'] averaged over heads, else [n, heads, L, S']
+            dW = (dW.unsqueeze(1).expand(n, heads, L, S_total) / heads if s["average"] else dW).reshape(n * heads, L, S_total)
+
+        if s["dropout"] is not None:
+            A, d_heads = self._replay_with_dropout(q, k, v, mask, dA, dW, s, n, heads, scale)
+        else:
+            scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
+            if mask is not None:
+                scores = (scores.view(n, heads, L, S_total) + mask).view(n * heads, L, S_total)
+            P = torch.softmax(scores, dim=-1)
+            A = _merge(torch.bmm(P, v), heads)  # [n, L, E]
+            dP = torch.bmm(dA, v.transpose(1, 2))
+            if dW is not None:
+                dP += dW
+            dS = P * (dP - (P * dP).sum(-1, keepdim=True))
+            dS *= scale
+            d_heads = torch.bmm(dS, k), torch.bmm(dS.transpose(1, 2), q), torch.bmm(P.transpose(1, 2), dA)
+        return A, tuple(d.reshape(n, heads, d.shape[1], d.shape[2]) for d in d_heads)
 
     @staticmethod
     def _replay_with_dropout(q, k, v, mask, dA, dW, saved, n, heads, scale):
