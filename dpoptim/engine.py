@@ -57,7 +57,7 @@ def _uses_batch_statistics(module: nn.Module) -> bool:
 class _Record:
     """One forward call of one module."""
 
-    __slots__ = ("module", "rule", "params", "saved", "n_outputs", "group_id", "__weakref__")
+    __slots__ = ("module", "rule", "params", "saved", "n_outputs", "group_id", "cache", "__weakref__")
 
     def __init__(self, module, rule, params, saved, n_outputs):
         self.module = module
@@ -66,6 +66,43 @@ class _Record:
         self.saved = saved
         self.n_outputs = n_outputs
         self.group_id = None
+        self.cache = {}  # the rule's work from a stand-in backward, handed on to its Use
+
+
+class _StandIn(torch.autograd.Function):
+    """The backward of one module call, computed by its rule (:meth:`Rule.input_gradients`)
+    instead of autograd's kernels. Inputs: the call's record, the number of input tensors,
+    the input tensors, an anchor parameter (or None) and the outputs' values; it returns
+    those values, now with this node as their ``grad_fn``. The anchor gets a zero gradient:
+    it is there so that a backward through the module still accumulates into a parameter
+    of the optimizer when nothing upstream does (how ``backward()`` is told from
+    ``torch.autograd.grad``)."""
+
+    @staticmethod
+    def forward(ctx, record, n_inputs, *tensors):
+        ctx.record, ctx.n_inputs = record, n_inputs
+        anchor = tensors[n_inputs]
+        ctx.anchor = None if anchor is None else (anchor.shape, anchor.dtype, anchor.device)
+        values = tensors[n_inputs + 1:]
+        # The rule replays from these inputs and outputs: saving them makes autograd refuse
+        # a backward after either was modified in place, as the layer's own backward would.
+        ctx.save_for_backward(*(t for t in tensors[:n_inputs] if t is not None), *values)
+        return tuple(t.detach() for t in values)  # new tensors, not views of the inputs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        ctx.saved_tensors  # noqa: B018  (the version check)
+        record = ctx.record
+        use = Use(record.module, record.saved, list(grads), record.cache)
+        inputs = list(record.rule.input_gradients(use))
+        if len(inputs) != ctx.n_inputs:
+            raise RuntimeError(
+                f"{type(record.rule).__name__}.input_gradients returned {len(inputs)} gradients for "
+                f"{ctx.n_inputs} inputs of {type(record.module).__name__}"
+            )
+        anchor = None if ctx.anchor is None else torch.zeros(ctx.anchor[0], dtype=ctx.anchor[1], device=ctx.anchor[2])
+        return (None, None, *inputs, anchor) + (None,) * len(grads)
 
 
 class _Group:
@@ -91,7 +128,8 @@ def _forward_hook(engine_ref, module, args, kwargs, output):
     if engine is not None:
         engine._restore(module)
         if torch.is_grad_enabled():
-            engine._on_forward(module, args, kwargs, output)
+            return engine._on_forward(module, args, kwargs, output)
+    return None
 
 
 def _restore_hook(engine_ref, module, args, output):
@@ -380,9 +418,41 @@ class GradEngine:
         if self._verify and _autocast_enabled():
             self._autocast_seen = True
         record = _Record(module, rule, params, rule.save(module, args, kwargs, output), len(outputs))
+        replaced = None
+        if self.detach_parameters and not self._verify and not _distributed():
+            replaced = self._stand_in(record, args, kwargs, output, outputs)
+            if replaced is not None:
+                outputs = rule.outputs(module, replaced)
         for index, t in enumerate(outputs):
             if t.requires_grad:
                 t.register_hook(functools.partial(_output_grad_hook, self._ref, record, index))
+        return replaced
+
+    def _stand_in(self, record, args, kwargs, output, outputs):
+        """Rewire the call's outputs through :class:`_StandIn` when its rule computes the
+        gradients of the inputs itself: autograd then skips the layer's own backward (for a
+        fused recurrent kernel, most of its cost), while the rule, which replays that
+        backward anyway, returns the input gradients. Returns the new output, or None.
+        Like ghost differentiation, off until the first step has been checked against
+        autograd, and off under torch.distributed."""
+        rule, module = record.rule, record.module
+        inputs = rule.inputs(module, args, kwargs)
+        if inputs is None:
+            return None
+        anchor = None
+        if not self._reaches_attached(inputs):
+            anchor = min((p for _, p in record.params), key=lambda p: p.numel())
+        values = [t.detach() for t in outputs]
+        new = _StandIn.apply(record, len(inputs), *inputs, anchor, *values)
+        # Autograd no longer reaches this module's parameters through it (the anchor aside):
+        # if one is accumulated, another path did (see _detach).
+        for _, p in record.params:
+            if p is anchor:
+                self._kept.add(id(p))
+                self._ghosts.discard(id(p))
+            elif id(p) not in self._kept:
+                self._ghosts.add(id(p))
+        return rule.with_outputs(module, output, list(new))
 
     def _group(self) -> _Group:
         if self._open is None:
@@ -446,7 +516,7 @@ class GradEngine:
                     PrivacyWarning,
                     stacklevel=2,
                 )
-        uses = [(record, Use(record.module, record.saved, grads)) for record, grads in group.uses.values()]
+        uses = [(record, Use(record.module, record.saved, grads, record.cache)) for record, grads in group.uses.values()]
         with _no_autocast():
             self._process_uses(group, uses, counts)
 

@@ -105,6 +105,30 @@ class Rule:
             "override Rule.outputs"
         )
 
+    def inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor] | None:
+        """Optional, with :meth:`input_gradients`: the tensors of this call that its outputs
+        depend on, besides the parameters. A rule that returns them computes their gradients
+        itself, so the engine stands in for the module's own backward after the first step:
+        it routes the outputs through one autograd node whose backward asks
+        :meth:`input_gradients`, and autograd no longer runs the layer's backward kernels,
+        weight gradients included. Worth it for rules that replay the layer's backward
+        anyway (fused recurrent layers). None (the default): autograd's backward runs."""
+        return None
+
+    def input_gradients(self, use: Use) -> list[torch.Tensor | None]:
+        """The gradients of the tensors :meth:`inputs` returned, in order, given the output
+        gradients ``use.grad_outputs`` (None where no gradient is needed). Work kept in
+        ``use.cache`` is there again when the engine asks for norms and clipped sums."""
+        raise NotImplementedError(f"{type(self).__name__} must implement input_gradients to use inputs()")
+
+    def with_outputs(self, module: nn.Module, output: Any, tensors: list[torch.Tensor]) -> Any:
+        """``output`` with the tensors :meth:`outputs` found replaced by ``tensors``, in
+        order (used with :meth:`inputs`)."""
+        if isinstance(output, torch.Tensor):
+            return tensors[0]
+        replacements = iter(tensors)
+        return type(output)(next(replacements) if isinstance(t, torch.Tensor) else t for t in output)
+
     def per_example(self, use: Use, names: list[str]) -> dict[str, torch.Tensor]:
         """Per-example gradients ``g_i(p)``, shape ``[n, *p.shape]``."""
         raise NotImplementedError(f"{type(self).__name__} must implement per_example")

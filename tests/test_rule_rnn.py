@@ -40,6 +40,37 @@ def features(out, hidden, batch_first, use, total_length=None):
     return torch.cat(parts, 1)
 
 
+class Upstream(nn.Module):
+    """Linear layers in front of a recurrent module: one maps the input sequence, two more
+    add a learned function of each example's first input to the initial states (or make
+    them, when none are given). The oracle then also checks the gradients the module passes
+    back to its inputs, which dpoptim computes itself after the first step (Rule.inputs)."""
+
+    def __init__(self, rnn, d, states, H_out, H_cell, batch_first):
+        super().__init__()
+        self.rnn, self.states, self.batch_first = rnn, states, batch_first
+        self.pre = nn.Linear(d, d)
+        self.h = nn.Linear(d, H_out)
+        self.c = nn.Linear(d, H_cell) if H_cell else None
+
+    def forward(self, x, hx=None):
+        xb = x if self.batch_first else x.transpose(0, 1)  # Linear takes examples from dim 0
+        first = xb[:, 0]
+        xb = self.pre(xb)
+        x = xb if self.batch_first else xb.transpose(0, 1)
+
+        def initial(layer, given):
+            made = layer(first).unsqueeze(0).expand(self.states, *first.shape[:1], layer.out_features)
+            return made.contiguous() if given is None else given + made
+
+        if self.c is None:
+            hx = initial(self.h, hx)
+        else:
+            h0, c0 = hx if hx is not None else (None, None)
+            hx = initial(self.h, h0), initial(self.c, c0)
+        return self.rnn(x, hx)
+
+
 sequence_configs = st.fixed_dictionaries({
     "kind": st.sampled_from(["tanh", "relu", "lstm", "gru"]),
     "layers": st.integers(1, 3),
@@ -55,6 +86,7 @@ sequence_configs = st.fixed_dictionaries({
     "d": st.integers(1, 3),
     "H": st.integers(2, 4),
     "reduction": st.sampled_from(["mean", "sum"]),
+    "upstream": st.booleans(),
 })
 
 
@@ -69,8 +101,11 @@ def test_sequence_layer_matches_oracle(cfg, seed):
     g = torch.Generator().manual_seed(seed)
 
     def make():
-        return make_module(kind, d, H, num_layers=L, bidirectional=cfg["bidirectional"], batch_first=bf,
-                           bias=cfg["bias"], dropout=dropout, proj_size=proj).double()
+        rnn = make_module(kind, d, H, num_layers=L, bidirectional=cfg["bidirectional"], batch_first=bf,
+                          bias=cfg["bias"], dropout=dropout, proj_size=proj)
+        if cfg["upstream"]:
+            rnn = Upstream(rnn, d, L * D, proj or H, H if kind == "lstm" else 0, bf)
+        return rnn.double()
 
     x = torch.randn(*((n, T) if bf else (T, n)), d, generator=g, dtype=F64)
     inputs, dims = (x,), (0 if bf else 1,)
@@ -89,6 +124,29 @@ def test_sequence_layer_matches_oracle(cfg, seed):
     check_rule_case(make, inputs, y, forward, mse, batch_dims=dims, reduction=cfg["reduction"], random=dropout > 0)
 
 
+class PackedUpstream(nn.Module):
+    """A Linear over the padded batch, then packing, then the recurrent module; the initial
+    states get a learned function of each example's first input added. Without
+    ``upstream`` the recurrent module alone."""
+
+    def __init__(self, rnn, d, upstream):
+        super().__init__()
+        self.rnn = rnn
+        self.pre = nn.Linear(d, d) if upstream else None
+        self.h = nn.Linear(d, rnn.proj_size or rnn.hidden_size) if upstream else None
+        self.c = nn.Linear(d, rnn.hidden_size) if upstream and isinstance(rnn, nn.LSTM) else None
+
+    def forward(self, padded, lengths, enforce_sorted, hx):
+        if self.pre is not None:
+            first = padded[:, 0]
+            padded = self.pre(padded)
+            if hx is not None:
+                shift = lambda layer, state: state + layer(first).unsqueeze(0)  # noqa: E731
+                hx = (shift(self.h, hx[0]), shift(self.c, hx[1])) if self.c is not None else shift(self.h, hx)
+        packed = pack_padded_sequence(padded, lengths, batch_first=True, enforce_sorted=enforce_sorted)
+        return self.rnn(packed, hx)
+
+
 @given(
     kind=st.sampled_from(["tanh", "relu", "lstm", "gru"]),
     lengths=st.lists(st.integers(1, 5), min_size=1, max_size=4),
@@ -97,43 +155,59 @@ def test_sequence_layer_matches_oracle(cfg, seed):
     bidirectional=st.booleans(),
     proj=st.booleans(),
     initial_state=st.booleans(),
+    upstream=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_packed_sequences_match_oracle(kind, lengths, enforce_sorted, layers, bidirectional, proj, initial_state, seed):
+def test_packed_sequences_match_oracle(kind, lengths, enforce_sorted, layers, bidirectional, proj, initial_state,
+                                       upstream, seed):
     """Sequences of different lengths in one PackedSequence; the oracle runs each alone."""
     if enforce_sorted:
         lengths = sorted(lengths, reverse=True)
     g = torch.Generator().manual_seed(seed)
     d, H, D, n = 2, 3, 2 if bidirectional else 1, len(lengths)
     proj_size = 2 if proj and kind == "lstm" else 0
-    seqs = [torch.randn(t, d, generator=g, dtype=F64) for t in lengths]
+    T = max(lengths)
+    padded = torch.zeros(n, T, d, dtype=F64)
+    for i, t in enumerate(lengths):
+        padded[i, :t] = torch.randn(t, d, generator=g, dtype=F64)
     h0 = torch.randn(layers * D, n, proj_size or H, generator=g, dtype=F64)
     c0 = torch.randn(layers * D, n, H, generator=g, dtype=F64)
-    T = max(lengths)
     torch.manual_seed(seed)
-    model = make_module(kind, d, H, num_layers=layers, bidirectional=bidirectional, proj_size=proj_size).double()
+    rnn = make_module(kind, d, H, num_layers=layers, bidirectional=bidirectional, proj_size=proj_size)
+    model = PackedUpstream(rnn, d, upstream).double()
     reference = copy.deepcopy(model)
 
-    def forward(m, packed, h, c):
+    def forward(m, x, lengths, h, c):
         hx = None if not initial_state else ((h, c) if kind == "lstm" else h)
-        return features(*m(packed, hx), True, ("out", "h", "c") if kind == "lstm" else ("out", "h"), total_length=T)
+        out, hidden = m(x, lengths, enforce_sorted, hx)
+        return features(out, hidden, True, ("out", "h", "c") if kind == "lstm" else ("out", "h"), total_length=T)
 
-    width = forward(reference, pack_sequence(seqs[:1]), h0[:, :1], c0[:, :1]).shape[1]
+    def example(i):
+        return padded[i:i + 1, :lengths[i]], [lengths[i]], h0[:, i:i + 1], c0[:, i:i + 1]
+
+    width = forward(reference, *example(0)).shape[1]
     y = torch.randn(n, width, generator=g, dtype=F64)
 
     params = list(reference.parameters())
     per_example = []
     for i in range(n):
-        out = forward(reference, pack_sequence([seqs[i]]), h0[:, i:i + 1], c0[:, i:i + 1])
-        per_example.append(list(torch.autograd.grad(mse(out, y[i:i + 1]).sum(), params)))
+        out = forward(reference, *example(i))
+        per_example.append([torch.zeros_like(p) if gp is None else gp for p, gp in
+                            zip(params, torch.autograd.grad(mse(out, y[i:i + 1]).sum(), params, allow_unused=True))])
     norms = sorted(float(torch.sqrt(sum(g.square().sum() for g in gs))) for gs in per_example)
     bound = norms[n // 2] if norms[n // 2] > 0 else 1.0
     expected, _ = clipped_sum(per_example, bound, params)
 
-    packed = pack_sequence(seqs, enforce_sorted=enforce_sorted)
-    got = dp_clipped_sum(model, [((packed, h0, c0), y)], bound, forward, mse)
-    for (name, _), e, r in zip(model.named_parameters(), expected, got):
-        assert torch.allclose(e, r, rtol=1e-7, atol=1e-10), f"{name}: max error {(e - r).abs().max():.3e}"
+    opt = dpoptim.DPSGD(model.parameters(), lr=1.0, noise_multiplier=0.0, max_grad_norm=bound,
+                        expected_batch_size=1, sample_rate=0.5)
+    start = [p.detach().clone() for p in model.parameters()]
+    for attempt in ("first step", "later step"):  # the later one stands in for the kernel's backward
+        got = dp_clipped_sum(model, [((padded, lengths, h0, c0), y)], bound, forward, mse, optimizer=opt)
+        for (name, _), e, r in zip(model.named_parameters(), expected, got):
+            assert torch.allclose(e, r, rtol=1e-7, atol=1e-10), f"{attempt}, {name}: max error {(e - r).abs().max():.3e}"
+        with torch.no_grad():
+            for p, s in zip(model.parameters(), start):
+                p.copy_(s)
 
 
 @given(
@@ -271,8 +345,50 @@ def test_cuda_kernels_match_oracle(kind):
     cls = nn.LSTM if kind == "lstm" else nn.GRU
     x = torch.randn(4, 3, 2, generator=g, dtype=F64).to(cuda)
     y = torch.randn(4, 2 * 3 * 3, generator=g, dtype=F64).to(cuda)
-    make = lambda: cls(2, 3, num_layers=2, bidirectional=True, batch_first=True).double().to(cuda)  # noqa: E731
+
+    def make():  # with layers upstream: the later step's input gradients come from the rule
+        rnn = cls(2, 3, num_layers=2, bidirectional=True, batch_first=True)
+        return Upstream(rnn, 2, 4, 3, 3 if kind == "lstm" else 0, True).double().to(cuda)
+
     check_rule_case(make, (x,), y, lambda m, x: m(x)[0].flatten(1), mse)
+
+
+def _embedded_lstm():
+    torch.manual_seed(0)
+    return nn.ModuleDict({"embed": nn.Embedding(10, 3), "lstm": nn.LSTM(3, 4, batch_first=True)})
+
+
+def test_fused_backward_is_replaced_after_the_first_step():
+    """The first step is checked against autograd's own backward; later ones route the
+    outputs through the rule's stand-in, so the fused kernel's backward never runs."""
+    model = _embedded_lstm()
+    opt = dpoptim.DPSGD(model.parameters(), lr=0.1, noise_multiplier=0.0, max_grad_norm=1.0,
+                        expected_batch_size=4, sample_rate=0.5)
+    tokens = torch.randint(10, (4, 5), generator=torch.Generator().manual_seed(1))
+    kinds = []
+    for _ in range(3):
+        out, (h, c) = model["lstm"](model["embed"](tokens))
+        kinds.append({type(t.grad_fn).__name__ for t in (out, h, c)})
+        (out.square().sum() + h.sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    assert "_StandInBackward" not in kinds[0]
+    assert kinds[1] == kinds[2] == {"_StandInBackward"}
+
+
+def test_in_place_change_of_the_output_is_refused():
+    """The rule replays from the output it saw at forward time, as autograd's kernel would:
+    a change in place before backward() is an error, not a silently wrong gradient."""
+    model = _embedded_lstm()
+    opt = dpoptim.DPSGD(model.parameters(), lr=0.1, noise_multiplier=0.0, max_grad_norm=1.0,
+                        expected_batch_size=4, sample_rate=0.5)
+    tokens = torch.randint(10, (4, 5), generator=torch.Generator().manual_seed(1))
+    model["lstm"](model["embed"](tokens))[0].sum().backward()
+    opt.step()
+    out, _ = model["lstm"](model["embed"](tokens))
+    out.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
 
 
 def test_partly_frozen_stack():

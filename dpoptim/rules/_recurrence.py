@@ -231,10 +231,11 @@ class Recurrence:
         return (C[1:], C[:-1]) if reverse else (C[:-1], C[1:])
 
     # -------------------------------------------------------------------- backward
-    def backward(self, d_out, dh_last, dc_last=None, dc_is_total=False):
+    def backward(self, d_out, dh_last, dc_last=None, dc_is_total=False, initial=False):
         """Back-propagation through time from ``d_out: [T, n, H_out]`` (gradient of the
         output sequence) and the final states' gradients. ``dc_is_total``: ``dc_last``
         already includes the path through the last ``h`` (LSTM cells recorded op by op).
+        ``initial``: also leave the initial states' gradients in ``self.dh0``, ``self.dc0``.
 
         Returns time-major ``(dgi, dgh, dproj)``; ``dproj`` (gradient of the LSTM
         projection's output) is None without a projection."""
@@ -252,6 +253,8 @@ class Recurrence:
             for t, t_next in zip(order, nxt):
                 torch.mul(dh_t, self.K[t], out=dz[t])
                 if t_next is None:
+                    if initial:
+                        self.dh0 = self._initial(dz[t].mm(W), dh_t, t)
                     break
                 dh_next = torch.addmm(d_out[t_next], dz[t], W)
                 if pass_through is not None:
@@ -275,6 +278,9 @@ class Recurrence:
                 torch.mul(dc.unsqueeze(1), self.K3[t], out=dz[t, :, :3])
                 torch.mul(dm, self.Ko[t], out=dz[t, :, 3])
                 if t_next is None:
+                    if initial:
+                        self.dh0 = self._initial(dz[t].view(n, 4 * H).mm(W), dh_t, t)
+                        self.dc0 = dc * self.f[t]
                     break
                 dc = dc * self.f[t]
                 dh_next = torch.addmm(d_out[t_next], dz[t].view(n, 4 * H), W)
@@ -291,15 +297,24 @@ class Recurrence:
         for t, t_next in zip(order, nxt):
             torch.mul(dm.unsqueeze(1), self.Kgh[t], out=dgh[t])
             if t_next is None:
+                if initial:  # the frozen state's pass-through is in u (1 where inactive)
+                    self.dh0 = torch.addcmul(dgh[t].view(n, 3 * H).mm(W), dm, self.u[t])
                 break
             dm_next = torch.addcmul(d_out[t_next], dm, self.u[t], out=dm_all[t_next])
             dm = dm_next.addmm_(dgh[t].view(n, 3 * H), W)
         dgi = (dm_all.unsqueeze(2) * self.Kgi).view(T, n, 3 * H)
         return dgi, dgh.view(T, n, 3 * H), None
 
+    def _initial(self, through_weights, dh_t, t):
+        """The initial state's gradient from the first step's: ``dz W_hh``, plus the state
+        itself where a sequence had not started yet (a reversed, shorter one)."""
+        if self.keep is None:
+            return through_weights
+        return torch.addcmul(through_weights, dh_t, 1 - self.keep[t])
+
 
 def replay_stack(mode, x, h0, c0, weights, num_layers, bidirectional, lengths, output, d_output, dh_n, dc_n,
-                 masks=None):
+                 masks=None, input_grads=False):
     """Replay a stacked, possibly bidirectional, recurrent module and backpropagate through it.
 
     ``x: [T, n, in]`` padded (``lengths: [n]``, or None when every sequence has T steps);
@@ -313,7 +328,9 @@ def replay_stack(mode, x, h0, c0, weights, num_layers, bidirectional, lengths, o
     Returns ``{(layer, direction): (x_in, h_prev, m, dgi, dgh, dproj, rows)}``, every tensor
     time-major ``[T, n, .]``: the rows and gradients of the per-example weight gradients
     (``m``, ``dproj``: LSTM projection only; ``rows``: ``[x_in | h_prev]`` when the
-    replay built it, else None).
+    replay built it, else None), and with ``input_grads`` the gradients of the module's
+    inputs ``(dx, dh0, dc0)`` (``dx`` time-major and padded like ``x``; ``dc0`` None unless
+    LSTM), else None.
     """
     T = x.shape[0]
     directions = 2 if bidirectional else 1
@@ -346,10 +363,17 @@ def replay_stack(mode, x, h0, c0, weights, num_layers, bidirectional, lengths, o
         d_below = None
         for d, replay in enumerate(replays[layer]):
             k = layer * directions + d
-            dgi, dgh, dproj = replay.backward(parts[d], dh_n[k], None if dc_n is None else dc_n[k])
+            dgi, dgh, dproj = replay.backward(parts[d], dh_n[k], None if dc_n is None else dc_n[k],
+                                              initial=input_grads)
             result[(layer, d)] = (inputs[layer], replay.h_prev, replay.m, dgi, dgh, dproj, replay.rows)
-            if layer > 0:
+            if layer > 0 or input_grads:
                 dx = torch.matmul(dgi, replay.weights.w_ih)
                 d_below = dx if d_below is None else d_below + dx
-        d_layer_out = d_below if masks is None or d_below is None else d_below * masks[layer - 1]
-    return result
+        if layer > 0:
+            d_layer_out = d_below if masks is None else d_below * masks[layer - 1]
+    if not input_grads:
+        return result, None
+    initial = [replays[layer][d] for layer in range(num_layers) for d in range(directions)]
+    dh0 = torch.stack([r.dh0 for r in initial])
+    dc0 = torch.stack([r.dc0 for r in initial]) if c0 is not None else None
+    return result, (d_below, dh0, dc0)

@@ -19,7 +19,15 @@ detached and backpropagates through time by hand, starting from the gradients au
 delivered to ``output``, ``h_n`` and ``c_n``. Every ``num_layers``, ``bidirectional``,
 ``batch_first``, ``bias``, ``proj_size``, given or default initial states, and
 ``PackedSequence`` inputs (the example is the sequence, in the order the batch had before
-packing) are exact. Cost: about one more forward and one weight-free backward of the layer.
+packing) are exact.
+
+The back-propagation through time also yields the gradients of the input sequence and the
+initial states, which is all the fused kernel's backward would add besides the weight
+gradients. So after the first step (where autograd's backward runs too and the two are
+compared), the rule stands in for that backward (``Rule.inputs``): the engine routes the
+outputs through one autograd node that returns these gradients, and the kernel's backward
+does not run. Cost: about one more forward of the layer, its weight-free backward
+replacing the kernel's.
 
 Dropout between stacked layers (``dropout > 0`` in training) draws its masks inside the
 kernel. On CPU, PyTorch draws them with ordinary dropout calls on each layer's output, one
@@ -46,7 +54,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from ..registry import register_rule
 from ._common import common_dtype, rng_replayed, rng_state
@@ -88,6 +96,23 @@ def _consumes(later: torch.Tensor, earlier: torch.Tensor, depth: int = 3) -> boo
     return False
 
 
+def _suffixes(module) -> dict:
+    """``(layer, direction) -> "_l{layer}"`` or ``"_l{layer}_reverse"``, as the parameters are named."""
+    directions = 2 if module.bidirectional else 1
+    return {(layer, d): f"_l{layer}" + ("_reverse" if d else "")
+            for layer in range(module.num_layers) for d in range(directions)}
+
+
+def _pack_like(x: PackedSequence, padded: torch.Tensor) -> torch.Tensor:
+    """The packed data of ``padded`` (time-major ``[T, n, .]``, examples in the user's
+    order) laid out exactly as ``x.data``."""
+    n = int(x.batch_sizes[0]) if len(x.batch_sizes) else 0
+    lengths = (x.batch_sizes.unsqueeze(0) > torch.arange(n).unsqueeze(1)).sum(1)  # of the sorted sequences
+    if x.sorted_indices is not None:
+        padded = padded.index_select(1, x.sorted_indices.to(padded.device))
+    return pack_padded_sequence(padded, lengths, enforce_sorted=True).data
+
+
 def _bound(args, kwargs, index, name):
     if len(args) > index:
         return args[index]
@@ -123,6 +148,14 @@ class RecurrentRule(FactoredRule):
             )
         self._rng_before[module] = rng_state(device)
 
+    @staticmethod
+    def _input_tensors(module, args, kwargs):
+        """``(data, h0, c0)`` of a call, each a tensor or None."""
+        x = _bound(args, kwargs, 0, "input")
+        hx = _bound(args, kwargs, 1, "hx")
+        h0, c0 = (hx if isinstance(hx, tuple) else (hx, None)) if hx is not None else (None, None)
+        return (x.data if isinstance(x, PackedSequence) else x), h0, c0
+
     def save(self, module, args, kwargs, output):
         x = _bound(args, kwargs, 0, "input")
         hx = _bound(args, kwargs, 1, "hx")
@@ -130,16 +163,69 @@ class RecurrentRule(FactoredRule):
             raise _unbatched(module, x.shape)
         out = output[0]
         state = self._rng_before[module] if self._drops(module) else None
-        return _detach(x), _detach(hx), (out.data if isinstance(out, PackedSequence) else out).detach(), state
+        needs = tuple(t is not None and t.requires_grad for t in self._input_tensors(module, args, kwargs))
+        return {"x": _detach(x), "hx": _detach(hx), "state": state, "needs": needs,
+                "out": (out.data if isinstance(out, PackedSequence) else out).detach()}
 
     def outputs(self, module, output):
         out, hidden = output
         data = out.data if isinstance(out, PackedSequence) else out
         return [data, *(hidden if isinstance(hidden, tuple) else (hidden,))]
 
+    def with_outputs(self, module, output, tensors):
+        out, hidden = output
+        out = out._replace(data=tensors[0]) if isinstance(out, PackedSequence) else tensors[0]
+        return out, (tuple(tensors[1:]) if isinstance(hidden, tuple) else tensors[1])
+
+    # The replay runs back-propagation through time anyway, so it also returns the
+    # gradients of the input sequence and the initial states: the engine then skips the
+    # fused kernel's own backward (Rule.inputs).
+    def inputs(self, module, args, kwargs):
+        return [t for t in self._input_tensors(module, args, kwargs) if t is not None and t.requires_grad]
+
+    def input_gradients(self, use):
+        _, (dx, dh0, dc0) = self._replay(use, input_grads=True)
+        x, hx = use.saved["x"], use.saved["hx"]
+        h0, c0 = (hx if isinstance(hx, tuple) else (hx, None)) if hx is not None else (None, None)
+        if isinstance(x, PackedSequence):
+            dx = _pack_like(x, dx)
+        elif use.module.batch_first:
+            dx = dx.transpose(0, 1)
+        grads = [dx.to(x.data.dtype)]
+        grads.append(None if h0 is None else dh0.to(h0.dtype))
+        grads.append(None if c0 is None else dc0.to(c0.dtype))
+        return [g for g, need in zip(grads, use.saved["needs"]) if need]
+
     def factors(self, use):
         module = use.module
-        x, hx, out, state = use.saved
+        replayed, _ = self._replay(use)
+        suffixes = _suffixes(module)
+        factors = {}
+        for key, (x_in, h_prev, m, dgi, dgh, dproj, rows) in replayed.items():
+            # Time-major rows (batch_dim=1). For RNN and LSTM dgh is dgi, one object, so
+            # the norms compute its Gram matrix once and the clipped sums share one product.
+            joint = (None, None) if rows is None else ((rows, 0), (rows, x_in.shape[-1]))
+            for kind, blocks in (
+                ("weight_ih", [weight_block(x_in, dgi, batch_dim=1, joint=joint[0])]),
+                ("weight_hh", [weight_block(h_prev, dgh, batch_dim=1, joint=joint[1])]),
+                ("bias_ih", [bias_block(dgi, batch_dim=1)]),
+                ("bias_hh", [bias_block(dgh, batch_dim=1)]),
+                ("weight_hr", [weight_block(m, dproj, batch_dim=1)] if dproj is not None else None),
+            ):
+                p = getattr(module, kind + suffixes[key], None)
+                if blocks is not None and p is not None:
+                    factors[kind + suffixes[key]] = Factored(blocks, p.shape)
+        return factors
+
+    def _replay(self, use, input_grads=False):
+        """:func:`replay_stack` for this use, once: ``(per layer, input gradients or None)``.
+        A stand-in backward (:meth:`input_gradients`) leaves it in ``use.cache`` for the
+        norms and clipped sums."""
+        done = use.cache.get("replayed")
+        if done is not None and (done[1] is not None or not input_grads):
+            return done
+        module = use.module
+        x, hx, out, state = (use.saved[k] for k in ("x", "hx", "out", "state"))
         lstm = module.mode == "LSTM"
         directions = 2 if module.bidirectional else 1
         H_out = module.proj_size if module.proj_size > 0 else module.hidden_size
@@ -164,6 +250,7 @@ class RecurrentRule(FactoredRule):
         h0 = inputs.new_zeros(states, n, H_out) if h0 is None else h0.to(dtype)
         if lstm:
             c0 = inputs.new_zeros(states, n, module.hidden_size) if c0 is None else c0.to(dtype)
+
         def grad_or_zeros(index, like):
             g = use.grad_outputs[index] if index < len(use.grad_outputs) else None
             return torch.zeros_like(like) if g is None else g.to(dtype)
@@ -171,31 +258,16 @@ class RecurrentRule(FactoredRule):
         dh_n = grad_or_zeros(1, h0)
         dc_n = grad_or_zeros(2, c0) if lstm else None
 
-        suffixes = {(layer, d): f"_l{layer}" + ("_reverse" if d else "")
-                    for layer in range(module.num_layers) for d in range(directions)}
+        suffixes = _suffixes(module)
         weights = [[LayerWeights(*(self._weight(module, kind + suffixes[layer, d], dtype)
                                    for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr")))
                     for d in range(directions)] for layer in range(module.num_layers)]
 
         masks = None if state is None else self._masks(module, x, out, state, dtype)
-        replayed = replay_stack(module.mode, inputs, h0, c0, weights, module.num_layers, module.bidirectional,
-                                lengths, output, d_output, dh_n, dc_n, masks)
-        factors = {}
-        for key, (x_in, h_prev, m, dgi, dgh, dproj, rows) in replayed.items():
-            # Time-major rows (batch_dim=1). For RNN and LSTM dgh is dgi, one object, so
-            # the norms compute its Gram matrix once and the clipped sums share one product.
-            joint = (None, None) if rows is None else ((rows, 0), (rows, x_in.shape[-1]))
-            for kind, blocks in (
-                ("weight_ih", [weight_block(x_in, dgi, batch_dim=1, joint=joint[0])]),
-                ("weight_hh", [weight_block(h_prev, dgh, batch_dim=1, joint=joint[1])]),
-                ("bias_ih", [bias_block(dgi, batch_dim=1)]),
-                ("bias_hh", [bias_block(dgh, batch_dim=1)]),
-                ("weight_hr", [weight_block(m, dproj, batch_dim=1)] if dproj is not None else None),
-            ):
-                p = getattr(module, kind + suffixes[key], None)
-                if blocks is not None and p is not None:
-                    factors[kind + suffixes[key]] = Factored(blocks, p.shape)
-        return factors
+        done = use.cache["replayed"] = replay_stack(
+            module.mode, inputs, h0, c0, weights, module.num_layers, module.bidirectional,
+            lengths, output, d_output, dh_n, dc_n, masks, input_grads=input_grads)
+        return done
 
     @staticmethod
     def _masks(module, x, out, state, dtype):
