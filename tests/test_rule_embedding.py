@@ -2,6 +2,7 @@
 
 import math
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from hypothesis import given, strategies as st
 from torch import nn
 
 import dpoptim
+from dpoptim.rules import embedding
 from oracle import assert_trains_with_noise, check_rule_case, mse
 
 
@@ -21,8 +23,10 @@ from oracle import assert_trains_with_noise, check_rule_case, mse
     sparse=st.booleans(),
     reduction=st.sampled_from(["mean", "sum"]),
     clip=st.sampled_from([None, 1e6]),
+    ghost=st.booleans(),
 )
-def test_embedding_matches_oracle(n, lead, rows, dim, padding, sparse, reduction, clip):
+def test_embedding_matches_oracle(n, lead, rows, dim, padding, sparse, reduction, clip, ghost):
+    """Both norm routes: the masked Gram matrix (ghost) and sorting."""
     padding_idx = None if padding is None else padding % rows - (rows if padding < 0 else 0)
     g = torch.Generator().manual_seed(n * 17 + rows * 5 + dim)
     # Few rows, so repeated indices (and padding positions) are common.
@@ -34,9 +38,33 @@ def test_embedding_matches_oracle(n, lead, rows, dim, padding, sparse, reduction
         emb = nn.Embedding(rows, dim, padding_idx=padding_idx, sparse=sparse).double()
         return nn.Sequential(emb, nn.Tanh(), nn.Flatten(1), nn.Linear(positions * dim, 2).double())
 
-    with warnings.catch_warnings():
+    route = mock.patch.object(embedding, "_ghost_is_cheaper", lambda T, p: ghost)
+    with warnings.catch_warnings(), route:
         warnings.simplefilter("ignore", dpoptim.PrivacyWarning)  # eval-mode and loader warnings
         check_rule_case(make, (x,), y, lambda m, x: m(x), mse, max_grad_norm=clip, reduction=reduction)
+
+
+@given(
+    n=st.integers(0, 5),
+    T=st.integers(2, 12),
+    rows=st.integers(1, 6),
+    dim=st.integers(1, 5),
+    padding=st.booleans(),
+    ghost=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_embedding_norm_routes_match_the_materialised_gradient(n, T, rows, dim, padding, ghost, seed):
+    """Both norm routes against the squared norm of the per-example gradient formed row by
+    row, over index tensors full of repeats (where the routes' cross terms matter)."""
+    g = torch.Generator().manual_seed(seed)
+    emb = nn.Embedding(rows, dim, padding_idx=0 if padding else None).double()
+    indices = torch.randint(0, rows, (n, T), generator=g)
+    use = dpoptim.Use(emb, indices, [torch.randn(n, T, dim, generator=g, dtype=torch.float64)])
+    rule = dpoptim.rule_for(emb)
+    with mock.patch.object(embedding, "_ghost_is_cheaper", lambda T, p: ghost):
+        got = rule.norms(use, ["weight"])["weight"]
+    expected = rule.per_example(use, ["weight"])["weight"].square().sum((1, 2))
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
 class TiedLM(nn.Module):
