@@ -133,9 +133,10 @@ def _forward_hook(engine_ref, module, args, kwargs, output):
 
 
 def _restore_hook(engine_ref, module, args, output):
-    engine = engine_ref()  # runs even when forward raised
+    engine = engine_ref()  # runs once per call, even when forward raised
     if engine is not None:
         engine._restore(module)
+        engine._leave_context(module)
 
 
 def _output_grad_hook(engine_ref, record, index, grad):
@@ -217,6 +218,7 @@ class GradEngine:
         self.reset()
         self.detach_parameters = True
         self._detached: dict[int, list] = {}
+        self._contexts: dict[int, list] = {}  # module -> the rule's forward contexts now entered
         self._ghosts: set[int] = set()  # parameters autograd no longer reaches through their module
         self._kept: set[int] = set()  # parameters some call left attached: autograd reaches them
         self._handles += [
@@ -325,6 +327,10 @@ class GradEngine:
         if decision is None:
             return
         decision[0].check(module)
+        context = decision[0].forward_context(module)
+        if context is not None:
+            context.__enter__()
+            self._contexts.setdefault(id(module), []).append(context)
         if self.detach_parameters and not self._verify and decision[0].detach_parameters:
             self._detach(module, decision, args)
 
@@ -388,6 +394,11 @@ class GradEngine:
         if swapped:
             for owner, leaf, p in swapped:
                 owner._parameters[leaf] = p
+
+    def _leave_context(self, module) -> None:
+        contexts = self._contexts.get(id(module))
+        if contexts:  # the innermost call's (a module may call itself)
+            contexts.pop().__exit__(None, None, None)
 
     def _warn_replaced(self, module, claimed) -> None:
         for name, p in claimed:

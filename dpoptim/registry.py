@@ -85,6 +85,12 @@ class Rule:
         """Called before each forward pass with gradients on: raise here to refuse a
         configuration before the forward changes anything."""
 
+    def forward_context(self, module: nn.Module):
+        """Optional: a context manager the module's forward runs in (entered after
+        :meth:`check`, left when the forward returns or raises), or None. For a kernel
+        setting that makes the forward replayable."""
+        return None
+
     def attached(self, module: nn.Module, names: list[str]) -> str | None:
         """With ``detach_parameters``: the one parameter (of ``names``) to leave attached
         during the forward, so that every output still has a graph. None: the smallest."""

@@ -4,6 +4,7 @@ import math
 import pathlib
 import re
 
+import pytest
 import torch
 from hypothesis import given, strategies as st
 from torch import nn
@@ -78,3 +79,59 @@ def test_docs_show_this_code():
     # The docs add the imports this module has at its top.
     code = ["\n".join(line for line in b.splitlines() if not line.startswith(("import ", "from "))) for b in blocks]
     assert any(tested.strip() in c for c in code), "docs/rules.md and tests/test_custom_rule.py differ"
+
+
+class Doubler(nn.Module):
+    """y = 2 x w; raises when asked to, to show the context is left all the same."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(3))
+
+    def forward(self, x, fail=False):
+        if fail:
+            raise RuntimeError("asked to fail")
+        return 2 * x * self.weight
+
+
+class DoublerRule(dpoptim.Rule):
+    def __init__(self, events):
+        self.events = events
+
+    def forward_context(self, module):
+        events = self.events
+
+        class Context:
+            def __enter__(self):
+                events.append("enter")
+
+            def __exit__(self, *exc):
+                events.append("exit")
+
+        return Context()
+
+    def save(self, module, args, kwargs, output):
+        self.events.append("save")
+        return args[0].detach()
+
+    def per_example(self, use, names):
+        return {"weight": 2 * use.saved * use.grad_outputs[0]}
+
+
+def test_forward_context_is_entered_around_each_forward_and_left_on_error():
+    events = []
+    dpoptim.register_rule(Doubler, DoublerRule(events))
+    model = Doubler()
+    opt = dpoptim.DPSGD(model.parameters(), lr=0.1, noise_multiplier=0.0, max_grad_norm=1.0,
+                        expected_batch_size=2, sample_rate=0.5)
+    model(torch.randn(2, 3)).sum().backward()
+    assert events == ["enter", "save", "exit"]
+    events.clear()
+    with pytest.raises(RuntimeError, match="asked to fail"):
+        model(torch.randn(2, 3), fail=True)
+    assert events == ["enter", "exit"]
+    events.clear()
+    with torch.no_grad():  # nothing recorded without gradients
+        model(torch.randn(2, 3))
+    assert events == []
+    del opt

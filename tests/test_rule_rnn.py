@@ -1,6 +1,7 @@
 """nn.RNN / nn.LSTM / nn.GRU and their cells against the brute-force oracle."""
 
 import copy
+import types
 
 import pytest
 import torch
@@ -440,15 +441,46 @@ def test_stacked_dropout_masks_are_the_forwards(kind, packed):
             assert not all(torch.allclose(e, v) for e, v in zip(expected, got))
 
 
-def test_stacked_dropout_on_cuda_is_refused_with_the_fix():
-    """cuDNN's dropout state cannot be replayed. The check reads only these attributes, so
-    a stand-in for a CUDA module shows the refusal without a GPU."""
+def test_stacked_dropout_on_cuda_runs_without_cudnn():
+    """cuDNN's dropout state cannot be replayed, so the rule has the forward of a CUDA
+    module with stacked dropout run on PyTorch's own implementation, whose masks it can
+    draw again. The context reads only these attributes: a stand-in shows it without a GPU."""
     class OnCuda:
         training, dropout, num_layers = True, 0.3, 2
-        weight_ih_l0 = torch.empty(0, device="meta")
+        weight_ih_l0 = types.SimpleNamespace(device=torch.device("cuda"))
 
-    with pytest.raises(ValueError, match="nn.Dropout"):
-        dpoptim.rule_for(nn.LSTM(3, 4)).check(OnCuda())
+    rule = dpoptim.rule_for(nn.LSTM(3, 4))
+    before = torch.backends.cudnn.enabled
+    context = rule.forward_context(OnCuda())
+    with context:
+        assert torch.backends.cudnn.enabled is False
+    assert torch.backends.cudnn.enabled == before
+    OnCuda.training = False
+    assert rule.forward_context(OnCuda()) is None  # eval mode keeps cuDNN
+    assert rule.forward_context(nn.LSTM(3, 4, num_layers=2, dropout=0.3)) is None  # CPU
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("packed", [False, True])
+def test_cuda_stacked_dropout_matches_oracle(packed):
+    """The oracle's reference runs without cuDNN too (with cuDNN its masks would be cuDNN's)."""
+    g = torch.Generator().manual_seed(5)
+    cuda = torch.device("cuda")
+    x = torch.randn(5, 6, 3, generator=g, dtype=F64).to(cuda)
+    y = torch.randn(5, 8, generator=g, dtype=F64).to(cuda)
+    lengths = torch.tensor([6, 2, 5, 1, 3])
+
+    def forward(m, x):
+        if packed:
+            out, _ = m(pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False))
+            out, _ = pad_packed_sequence(out, batch_first=True, total_length=6)
+        else:
+            out, _ = m(x)
+        return out[:, :, :4].flatten(1)[:, :8]
+
+    make = lambda: nn.LSTM(3, 4, num_layers=3, dropout=0.5, batch_first=True).double().to(cuda)  # noqa: E731
+    with torch.backends.cudnn.flags(enabled=False):
+        check_rule_case(make, (x,), y, forward, mse, random=True)
 
 
 @pytest.mark.parametrize("module", [nn.LSTM(3, 4), nn.GRUCell(3, 4)])

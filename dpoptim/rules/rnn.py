@@ -30,13 +30,14 @@ does not run. Cost: about one more forward of the layer, its weight-free backwar
 replacing the kernel's.
 
 Dropout between stacked layers (``dropout > 0`` in training) draws its masks inside the
-kernel. On CPU, PyTorch draws them with ordinary dropout calls on each layer's output, one
-after the other, from the default generator: the rule keeps the generator's state from
-before the forward and draws the same masks again, in the same order and shapes (the
-time-major output, or the packed data of a ``PackedSequence``). On CUDA, cuDNN keeps a
-dropout state of its own that nothing outside can replay, so there stacked dropout in
-training is refused before the forward: stack single-layer modules with ``nn.Dropout``
-between them instead (the same model, exact everywhere).
+kernel. PyTorch's own implementation (CPU, and CUDA without cuDNN) draws them with ordinary
+dropout calls on each layer's output, one after the other, from the default generator:
+the rule keeps the generator's state from before the forward and draws the same masks
+again, in the same order and shapes (the time-major output, or the packed data of a
+``PackedSequence``). cuDNN draws them from a dropout state of its own that nothing
+outside can replay, so on CUDA such a module's forward runs with cuDNN off (its other
+layers keep cuDNN). That is slower than cuDNN; single-layer modules with ``nn.Dropout``
+between them are the same model and keep cuDNN.
 
 **Cells** are called by the user, step by step. Each call is one use; a cell called T
 times in one forward pass shares its weights across T uses, which the engine sums per
@@ -49,6 +50,7 @@ example from another.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -96,6 +98,16 @@ def _consumes(later: torch.Tensor, earlier: torch.Tensor, depth: int = 3) -> boo
     return False
 
 
+@contextlib.contextmanager
+def _without_cudnn():
+    enabled = torch.backends.cudnn.enabled
+    torch.backends.cudnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.enabled = enabled
+
+
 def _suffixes(module) -> dict:
     """``(layer, direction) -> "_l{layer}"`` or ``"_l{layer}_reverse"``, as the parameters are named."""
     directions = 2 if module.bidirectional else 1
@@ -134,19 +146,15 @@ class RecurrentRule(FactoredRule):
         return module.training and module.dropout > 0 and module.num_layers > 1
 
     def check(self, module):
-        if not self._drops(module):
-            return
-        device = module.weight_ih_l0.device
-        if device.type != "cpu":
-            raise ValueError(
-                f"{type(module).__name__}(num_layers={module.num_layers}, dropout={module.dropout}) in "
-                f"training mode on {device.type} drops units between its layers with masks that the fused "
-                "kernel (cuDNN) draws from a dropout state of its own, which cannot be replayed, so its "
-                f"per-example gradients cannot be computed exactly. Stack {module.num_layers} single-layer "
-                f"{type(module).__name__}s with nn.Dropout({module.dropout}) between them (dpoptim clips "
-                "that exactly), or set dropout=0."
-            )
-        self._rng_before[module] = rng_state(device)
+        if self._drops(module):
+            self._rng_before[module] = rng_state(module.weight_ih_l0.device)
+
+    def forward_context(self, module):
+        # cuDNN draws the masks between stacked layers from a dropout state of its own that
+        # nothing outside can replay; PyTorch's own CUDA implementation draws them as on CPU.
+        if self._drops(module) and module.weight_ih_l0.device.type == "cuda":
+            return _without_cudnn()
+        return None
 
     @staticmethod
     def _input_tensors(module, args, kwargs):
