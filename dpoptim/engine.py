@@ -593,7 +593,7 @@ class GradEngine:
             if release:
                 uses[i] = None
                 group.uses.pop(id(record), None)
-                record.saved = None
+                record.saved = record.cache = None
                 del record, use
         for pid, g in shared.items():
             _add_into(self._sums, self._params[pid], torch.tensordot(weights.to(g.dtype), g, dims=1))
@@ -608,6 +608,8 @@ class GradEngine:
                 _add_into(self._raw_sums, self._params[pid], g.sum(0))
             for pid, g in group.autograd.items():
                 _add_into(self._autograd_sums, self._params[pid], g)
+            for record, _ in uses:  # the record outlives this backward: its cache need not
+                record.cache = None
 
         self.examples += n
         self._clip_norms.add(bound)

@@ -133,7 +133,8 @@ class Rule:
         if isinstance(output, torch.Tensor):
             return tensors[0]
         replacements = iter(tensors)
-        return type(output)(next(replacements) if isinstance(t, torch.Tensor) else t for t in output)
+        values = [next(replacements) if isinstance(t, torch.Tensor) else t for t in output]
+        return type(output)(*values) if hasattr(output, "_fields") else type(output)(values)
 
     def per_example(self, use: Use, names: list[str]) -> dict[str, torch.Tensor]:
         """Per-example gradients ``g_i(p)``, shape ``[n, *p.shape]``."""

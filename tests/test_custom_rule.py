@@ -3,6 +3,7 @@
 import math
 import pathlib
 import re
+import weakref
 
 import pytest
 import torch
@@ -135,3 +136,44 @@ def test_forward_context_is_entered_around_each_forward_and_left_on_error():
         model(torch.randn(2, 3))
     assert events == []
     del opt
+
+
+class Keeper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class KeeperRule(dpoptim.Rule):
+    """Keeps its per-example gradients in the use's cache, and a weak reference to them."""
+
+    def __init__(self):
+        self.refs = []
+
+    def save(self, module, args, kwargs, output):
+        return args[0].detach()
+
+    def per_example(self, use, names):
+        g = use.cache["g"] = use.saved * use.grad_outputs[0]
+        self.refs.append(weakref.ref(g))
+        return {"weight": g}
+
+
+def test_rule_cache_is_released_at_the_end_of_each_backward():
+    """The graph (and with it the call's record) lives as long as the loss does; what the
+    rule cached must not: its tensors are as large as the per-example gradients."""
+    rule = KeeperRule()
+    dpoptim.register_rule(Keeper, rule)
+    model = Keeper()
+    opt = dpoptim.DPSGD(model.parameters(), lr=0.1, noise_multiplier=0.0, max_grad_norm=1.0,
+                        expected_batch_size=4, sample_rate=0.5)
+    for step in ("first (checked) step", "later step"):
+        loss = model(torch.randn(4, 3)).sum()
+        loss.backward()  # the loss, and so the graph, is still alive
+        assert rule.refs and all(ref() is None for ref in rule.refs), step
+        opt.step()
+        opt.zero_grad()
+        rule.refs.clear()
