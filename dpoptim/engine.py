@@ -593,7 +593,7 @@ class GradEngine:
             if release:
                 uses[i] = None
                 group.uses.pop(id(record), None)
-                record.saved = record.cache = None
+                record.saved, record.cache = None, {}
                 del record, use
         for pid, g in shared.items():
             _add_into(self._sums, self._params[pid], torch.tensordot(weights.to(g.dtype), g, dims=1))
@@ -609,7 +609,7 @@ class GradEngine:
             for pid, g in group.autograd.items():
                 _add_into(self._autograd_sums, self._params[pid], g)
             for record, _ in uses:  # the record outlives this backward: its cache need not
-                record.cache = None
+                record.cache = {}
 
         self.examples += n
         self._clip_norms.add(bound)
