@@ -57,7 +57,7 @@ def _uses_batch_statistics(module: nn.Module) -> bool:
 class _Record:
     """One forward call of one module."""
 
-    __slots__ = ("module", "rule", "params", "saved", "n_outputs", "group_id", "cache", "__weakref__")
+    __slots__ = ("module", "rule", "params", "saved", "n_outputs", "group_id", "cache", "released", "__weakref__")
 
     def __init__(self, module, rule, params, saved, n_outputs):
         self.module = module
@@ -67,6 +67,15 @@ class _Record:
         self.n_outputs = n_outputs
         self.group_id = None
         self.cache = {}  # the rule's work from a stand-in backward, handed on to its Use
+        self.released = False  # its saved inputs were let go after its clipped sums
+
+
+def _twice(record) -> str:
+    return (
+        f"{type(record.module).__name__} was backpropagated twice from one forward pass "
+        "(backward with retain_graph=True): its examples would be clipped twice. "
+        "Run a fresh forward pass for each backward()."
+    )
 
 
 class _StandIn(torch.autograd.Function):
@@ -94,6 +103,8 @@ class _StandIn(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.saved_tensors  # noqa: B018  (the version check)
         record = ctx.record
+        if record.released:
+            raise RuntimeError(_twice(record))
         use = Use(record.module, record.saved, list(grads), record.cache)
         inputs = list(record.rule.input_gradients(use))
         if len(inputs) != ctx.n_inputs:
@@ -476,11 +487,9 @@ class GradEngine:
         entry = group.uses.get(id(record))
         if entry is None:
             if record.group_id is not None:
-                self._errors.append(
-                    f"{type(record.module).__name__} was backpropagated twice from one forward pass "
-                    "(backward with retain_graph=True): its examples would be clipped twice. "
-                    "Run a fresh forward pass for each backward()."
-                )
+                self._errors.append(_twice(record))
+                if record.released:  # nothing left to clip it with; step() raises the error
+                    return
             record.group_id = group.id
             entry = group.uses[id(record)] = (record, [None] * record.n_outputs)
         grads = entry[1]
@@ -593,7 +602,7 @@ class GradEngine:
             if release:
                 uses[i] = None
                 group.uses.pop(id(record), None)
-                record.saved, record.cache = None, {}
+                record.saved, record.cache, record.released = None, {}, True
                 del record, use
         for pid, g in shared.items():
             _add_into(self._sums, self._params[pid], torch.tensordot(weights.to(g.dtype), g, dims=1))
