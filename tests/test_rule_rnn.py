@@ -408,6 +408,21 @@ def test_partly_frozen_stack():
     check_rule_case(make, (x,), y, lambda m, x: m(x)[0].flatten(1), mse)
 
 
+def _dropout_forward(packed):
+    """Five sequences of up to 6 steps (lengths 6, 2, 5, 1, 3 when packed), 8 features each."""
+    lengths = torch.tensor([6, 2, 5, 1, 3])
+
+    def forward(m, x):
+        if packed:
+            out, _ = m(pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False))
+            out, _ = pad_packed_sequence(out, batch_first=True, total_length=6)
+        else:
+            out, _ = m(x)
+        return out[:, :, :4].flatten(1)[:, :8]
+
+    return forward
+
+
 @pytest.mark.parametrize("kind", ["tanh", "lstm", "gru"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_stacked_dropout_masks_are_the_forwards(kind, packed):
@@ -417,16 +432,7 @@ def test_stacked_dropout_masks_are_the_forwards(kind, packed):
     for dtype in (torch.float32, F64):
         x = torch.randn(5, 6, 3, generator=g, dtype=dtype)
         y = torch.randn(5, 8, generator=g, dtype=dtype)
-        lengths = torch.tensor([6, 2, 5, 1, 3])
-
-        def forward(m, x):
-            if packed:
-                out, _ = m(pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False))
-                out, _ = pad_packed_sequence(out, batch_first=True, total_length=6)
-            else:
-                out, _ = m(x)
-            return out[:, :, :4].flatten(1)[:, :8]
-
+        forward = _dropout_forward(packed)
         make = lambda: make_module(kind, 3, 4, num_layers=3, dropout=0.5, batch_first=True).to(dtype)  # noqa: E731
         clip = check_rule_case(make, (x,), y, forward, mse, random=True, rtol=1e-7 if dtype == F64 else 1e-4)
         if dtype == F64:
@@ -468,16 +474,7 @@ def test_cuda_stacked_dropout_matches_oracle(packed):
     cuda = torch.device("cuda")
     x = torch.randn(5, 6, 3, generator=g, dtype=F64).to(cuda)
     y = torch.randn(5, 8, generator=g, dtype=F64).to(cuda)
-    lengths = torch.tensor([6, 2, 5, 1, 3])
-
-    def forward(m, x):
-        if packed:
-            out, _ = m(pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False))
-            out, _ = pad_packed_sequence(out, batch_first=True, total_length=6)
-        else:
-            out, _ = m(x)
-        return out[:, :, :4].flatten(1)[:, :8]
-
+    forward = _dropout_forward(packed)
     make = lambda: nn.LSTM(3, 4, num_layers=3, dropout=0.5, batch_first=True).double().to(cuda)  # noqa: E731
     with torch.backends.cudnn.flags(enabled=False):
         check_rule_case(make, (x,), y, forward, mse, random=True)
