@@ -154,7 +154,8 @@ def _saved_tensor_hooks_active() -> bool:
 
 @register_rule(nn.MultiheadAttention)
 class MultiheadAttentionRule(FactoredRule):
-    """Replays the attention from the saved inputs and backpropagates through it by hand."""
+    """Reads ``A`` and ``dq, dk, dv`` from the fused attention kernel, or replays the attention
+    from the saved inputs and backpropagates through it by hand (module docstring)."""
 
     # Ghost differentiation (the engine detaches every parameter but one during the
     # forward) needs the attached one to reach *both* outputs: the attention weights depend
