@@ -526,3 +526,54 @@ def test_training_with_noise_lowers_the_loss(kind):
     opt = dpoptim.DPAdam(model.parameters(), lr=0.01, noise_multiplier=0.3, max_grad_norm=1.0,
                          expected_batch_size=64, sample_rate=0.01, generator=torch.Generator().manual_seed(1))
     assert_loss_falls(model, opt, lambda: _sequence_task(64, 6, g), nn.functional.cross_entropy, steps=60)
+
+
+@given(
+    kind=st.sampled_from(["tanh", "relu", "lstm", "gru"]),
+    layers=st.integers(1, 2),
+    bidirectional=st.booleans(),
+    batch_first=st.booleans(),
+    proj=st.booleans(),
+    packed=st.booleans(),
+    grads_for=st.sampled_from([("x",), ("h",), ("c",), ("x", "h"), ("x", "h", "c")]),
+    seed=st.integers(0, 2**16),
+)
+def test_stand_in_input_gradients_are_autograds(kind, layers, bidirectional, batch_first, proj, packed, grads_for,
+                                                seed):
+    """After the first step the rule computes the gradients of the input sequence and the
+    initial states itself; they must be the ones autograd's kernel gives, for any subset of
+    those inputs that asks for them."""
+    g = torch.Generator().manual_seed(seed)
+    D, n, T, d, H = 2 if bidirectional else 1, 3, 4, 2, 3
+    proj_size = 2 if proj and kind == "lstm" else 0
+    torch.manual_seed(seed)
+    module = make_module(kind, d, H, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first,
+                         proj_size=proj_size).double()
+    reference = copy.deepcopy(module)
+    opt = dpoptim.DPSGD(module.parameters(), lr=0.0, noise_multiplier=0.0, max_grad_norm=1.0,
+                        expected_batch_size=n, sample_rate=0.5)
+    lengths = torch.tensor([4, 1, 3])
+    x = torch.randn(*((n, T) if batch_first else (T, n)), d, generator=g, dtype=F64, requires_grad="x" in grads_for)
+    h0 = torch.randn(layers * D, n, proj_size or H, generator=g, dtype=F64, requires_grad="h" in grads_for)
+    c0 = torch.randn(layers * D, n, H, generator=g, dtype=F64, requires_grad="c" in grads_for and kind == "lstm")
+    weights = torch.randn(n, T, D * (proj_size or H), generator=g, dtype=F64)
+
+    def loss(m):
+        inp = pack_padded_sequence(x, lengths, batch_first=batch_first, enforce_sorted=False) if packed else x
+        out, hidden = m(inp, (h0, c0) if kind == "lstm" else h0)
+        if packed:
+            out, _ = pad_packed_sequence(out, batch_first=True, total_length=T)
+        elif not batch_first:
+            out = out.transpose(0, 1)
+        states = hidden if isinstance(hidden, tuple) else (hidden,)
+        return (out * weights).sum() + sum(s.square().sum() for s in states)
+
+    loss(module).backward()  # the first step: checked against autograd, no stand-in yet
+    opt.step()
+    wanted = [t for t in (x, h0, c0) if t.requires_grad]
+    if not wanted:
+        return
+    got = torch.autograd.grad(loss(module), wanted)
+    expected = torch.autograd.grad(loss(reference), wanted)
+    for name, e, r in zip(grads_for, expected, got):
+        torch.testing.assert_close(r, e, rtol=1e-9, atol=1e-12, msg=name)
