@@ -40,6 +40,13 @@ def squared_norms(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x.flatten(1), dim=1).square()
 
 
+def batched_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``sum(x_i * y_i)`` over all but the first dimension, as one batched matrix-vector
+    product: no temporary as large as ``x``."""
+    n, k = x.shape[0], math.prod(x.shape[1:])
+    return torch.bmm(x.reshape(n, 1, k), y.reshape(n, k, 1)).view(n)
+
+
 def scaled_product(b: torch.Tensor, a: torch.Tensor, factors: torch.Tensor, batch_dim: int = 0) -> torch.Tensor:
     """``sum_i factors_i sum_t b_t a_t^T`` for rows ``a: [n, T, d]``, ``b: [n, T, p]`` (``[T, n, .]``
     with ``batch_dim=1``): one matrix product, the factors applied to the smaller operand."""
@@ -64,11 +71,9 @@ def ghost_or_materialize(a: torch.Tensor, b: torch.Tensor, cache: dict) -> torch
     if T == 1:
         return squared_norms(a) * squared_norms(b)
     if T * T * (d + p) < T * d * p:
-        gram_a = torch.bmm(a, a.transpose(1, 2))
-        gram_b = torch.bmm(b, b.transpose(1, 2))
-        return (gram_a * gram_b).sum((1, 2))
+        return batched_dot(torch.bmm(a, a.transpose(1, 2)), torch.bmm(b, b.transpose(1, 2)))
     g = cache["materialized"] = torch.bmm(b.transpose(1, 2), a)
-    return g.square().sum((1, 2))
+    return squared_norms(g)
 
 
 def rng_state(device: torch.device) -> torch.Tensor:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import Rule, Use
-from ._common import scaled_product
+from ._common import batched_dot, scaled_product, squared_norms
 
 __all__ = ["Factored", "FactoredRule", "weight_block", "bias_block"]
 
@@ -59,13 +59,12 @@ class _Block:
 
     def norms(self, grams: dict) -> torch.Tensor:
         if self.a is None:
-            return self.per_example().square().sum(1)
+            return squared_norms(self.per_example())
         if self.rows == 1:  # ||a||^2 ||b||^2
-            rows = (1 - self.batch_dim, 2)
-            return self.a.square().sum(rows) * self.b.square().sum(rows)
+            return squared_norms(self._batch_major(self.a)) * squared_norms(self._batch_major(self.b))
         if self.ghost:
-            return (self._gram(self.a, grams) * self._gram(self.b, grams)).sum((1, 2))
-        return self.per_example().square().sum((1, 2))
+            return batched_dot(self._gram(self.a, grams), self._gram(self.b, grams))
+        return squared_norms(self.per_example())
 
     def _gram(self, x: torch.Tensor, grams: dict) -> torch.Tensor:
         """``x x^T`` per example, ``[n, T, T]``, computed once per tensor."""

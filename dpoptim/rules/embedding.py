@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from ..registry import Rule, Use, register_rule
-from ._common import batched, common_dtype
+from ._common import batched, batched_dot, common_dtype, squared_norms
 
 __all__ = ["EmbeddingRule", "EmbeddingBagRule"]
 
@@ -125,16 +125,16 @@ class EmbeddingRule(Rule):
         indices, b = self._rows(use)
         n, T, p = b.shape
         if T <= 1:
-            return {"weight": b.square().sum((1, 2))}
+            return {"weight": squared_norms(b)}
         if _ghost_is_cheaper(T, p):  # the Gram matrix of b, masked to equal indices
             same = indices.unsqueeze(2) == indices.unsqueeze(1)
-            return {"weight": (torch.bmm(b, b.transpose(1, 2)) * same).sum((1, 2))}
+            return {"weight": batched_dot(torch.bmm(b, b.transpose(1, 2)), same.to(b.dtype))}
         # Sorting puts equal indices next to each other; a run of equal indices is one row of g_i.
         order, run = _runs(indices)
         run = run.unsqueeze(-1).expand(n, T, p)
         b_sorted = b.gather(1, order.unsqueeze(-1).expand(n, T, p))
         rows = torch.zeros_like(b).scatter_add_(1, run, b_sorted)
-        return {"weight": rows.square().sum((1, 2))}
+        return {"weight": squared_norms(rows)}
 
     def clipped_sum(self, use, names, factors):
         indices, b = self._rows(use)
