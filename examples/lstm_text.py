@@ -1,9 +1,10 @@
 """An Embedding + LSTM text classifier trained with DP-Adam on synthetic token sequences.
 
 Each sequence (8 to 32 tokens, padded with 0) is filler text with a few keywords of its
-class sprinkled in; the model must find them. It shows that recurrent models need no
-special layer: a plain ``nn.LSTM`` fed a ``PackedSequence``, and an ``nn.Embedding`` with
-``padding_idx`` (whose padding row gets no gradient, per example as in the whole batch).
+class sprinkled in (keyword_data.py); the model must find them. It shows that recurrent
+models need no special layer: a plain ``nn.LSTM`` fed a ``PackedSequence``, and an
+``nn.Embedding`` with ``padding_idx`` (whose padding row gets no gradient, per example as
+in the whole batch).
 
     python examples/lstm_text.py            # about 93% test accuracy at epsilon 4, under a minute
     python examples/lstm_text.py --quick    # a few seconds: a smoke test
@@ -20,24 +21,7 @@ from torch.utils.data import TensorDataset
 
 import dpoptim
 from dpoptim.data import poisson_loader, privacy_kwargs
-
-VOCAB, CLASSES, KEYWORDS_PER_CLASS, MAX_LEN = 200, 4, 5, 32
-
-
-def synthetic_text(n: int, generator: torch.Generator):
-    """``n`` sequences: (tokens [n, MAX_LEN] padded with 0, lengths [n], labels [n])."""
-    labels = torch.randint(CLASSES, (n,), generator=generator)
-    lengths = torch.randint(8, MAX_LEN + 1, (n,), generator=generator)
-    first_filler = 1 + CLASSES * KEYWORDS_PER_CLASS
-    tokens = torch.randint(first_filler, VOCAB, (n, MAX_LEN), generator=generator)
-    for i in range(n):
-        # Three keywords of the example's class at random positions.
-        positions = torch.randperm(int(lengths[i]), generator=generator)[:3]
-        keywords = torch.randint(KEYWORDS_PER_CLASS, (3,), generator=generator)
-        tokens[i, positions] = 1 + int(labels[i]) * KEYWORDS_PER_CLASS + keywords
-    tokens[torch.arange(MAX_LEN) >= lengths[:, None]] = 0
-    return tokens, lengths, labels
-
+from keyword_data import CLASSES, VOCAB, keyword_sequences  # this folder's data module
 
 class LSTMClassifier(nn.Module):
     def __init__(self, embed: int = 32, hidden: int = 64):
@@ -70,8 +54,8 @@ def main() -> None:
     n_train, epochs = (1000, 1) if args.quick else (4000, args.epochs)
 
     data = torch.Generator().manual_seed(args.seed)
-    train_set = TensorDataset(*synthetic_text(n_train, data))
-    test_tokens, test_lengths, test_labels = synthetic_text(1000, data)
+    train_set = TensorDataset(*keyword_sequences(n_train, data))
+    test_tokens, test_lengths, test_labels = keyword_sequences(1000, data)
 
     torch.manual_seed(args.seed)
     model = LSTMClassifier()

@@ -1,11 +1,12 @@
 """A small ``nn.TransformerEncoder`` classifier trained with DP-Adam on synthetic sequences.
 
 Each sequence (8 to 32 tokens, padded with 0) is filler with a few keywords of its class
-sprinkled in. The model is stock PyTorch: token and learned position embeddings
-(``nn.Embedding``), two ``nn.TransformerEncoderLayer`` blocks with a key padding mask, a
-final ``nn.LayerNorm`` and a linear head over the mean of the real tokens. Every layer has
-a built-in rule; nothing is replaced, and the layers keep PyTorch's default dropout of 0.1
-(attention dropout included: dpoptim replays its mask exactly).
+sprinkled in (keyword_data.py). The model is stock PyTorch: token and learned position
+embeddings (``nn.Embedding``), two ``nn.TransformerEncoderLayer`` blocks with a key
+padding mask, a final ``nn.LayerNorm`` and a linear head over the mean of the real tokens.
+Every layer has a built-in rule; nothing is replaced, and the layers keep PyTorch's
+default dropout of 0.1 (attention dropout included: dpoptim clips exactly with the masks
+the forward drew).
 
     python examples/transformer.py            # about 94% test accuracy at epsilon 4, about a minute
     python examples/transformer.py --quick    # a few seconds: a smoke test
@@ -21,23 +22,7 @@ from torch.utils.data import TensorDataset
 
 import dpoptim
 from dpoptim.data import poisson_loader, privacy_kwargs
-
-VOCAB, CLASSES, KEYWORDS_PER_CLASS, MAX_LEN = 200, 4, 5, 32
-
-
-def synthetic_sequences(n: int, generator: torch.Generator):
-    """``n`` sequences: (tokens [n, MAX_LEN] padded with 0, labels [n])."""
-    labels = torch.randint(CLASSES, (n,), generator=generator)
-    lengths = torch.randint(8, MAX_LEN + 1, (n,), generator=generator)
-    first_filler = 1 + CLASSES * KEYWORDS_PER_CLASS
-    tokens = torch.randint(first_filler, VOCAB, (n, MAX_LEN), generator=generator)
-    for i in range(n):
-        positions = torch.randperm(int(lengths[i]), generator=generator)[:3]
-        keywords = torch.randint(KEYWORDS_PER_CLASS, (3,), generator=generator)
-        tokens[i, positions] = 1 + int(labels[i]) * KEYWORDS_PER_CLASS + keywords
-    tokens[torch.arange(MAX_LEN) >= lengths[:, None]] = 0
-    return tokens, labels
-
+from keyword_data import CLASSES, MAX_LEN, VOCAB, keyword_sequences  # this folder's data module
 
 class TransformerClassifier(nn.Module):
     def __init__(self, d_model: int = 64, heads: int = 4, layers: int = 2):
@@ -83,8 +68,9 @@ def main() -> None:
     n_train, epochs = (600, 1) if args.quick else (4000, args.epochs)
 
     data = torch.Generator().manual_seed(args.seed)
-    train_set = TensorDataset(*synthetic_sequences(n_train, data))
-    test_tokens, test_labels = synthetic_sequences(1000, data)
+    tokens, _, labels = keyword_sequences(n_train, data)
+    train_set = TensorDataset(tokens, labels)
+    test_tokens, _, test_labels = keyword_sequences(1000, data)
 
     torch.manual_seed(args.seed)
     model = TransformerClassifier()
