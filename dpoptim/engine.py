@@ -95,7 +95,7 @@ class _StandIn(torch.autograd.Function):
         values = tensors[n_inputs + 1:]
         # The rule replays from these inputs and outputs: saving them makes autograd refuse
         # a backward after either was modified in place, as the layer's own backward would.
-        ctx.save_for_backward(*(t for t in tensors[:n_inputs] if t is not None), *values)
+        ctx.save_for_backward(*tensors[:n_inputs], *values)
         return tuple(t.detach() for t in values)  # new tensors, not views of the inputs
 
     @staticmethod

@@ -314,7 +314,7 @@ class Recurrence:
 
 
 def replay_stack(mode, x, h0, c0, weights, num_layers, bidirectional, lengths, output, d_output, dh_n, dc_n,
-                 masks=None, input_grads=False):
+                 masks=None, input_grads=False, input_dx=True):
     """Replay a stacked, possibly bidirectional, recurrent module and backpropagate through it.
 
     ``x: [T, n, in]`` padded (``lengths: [n]``, or None when every sequence has T steps);
@@ -329,8 +329,8 @@ def replay_stack(mode, x, h0, c0, weights, num_layers, bidirectional, lengths, o
     time-major ``[T, n, .]``: the rows and gradients of the per-example weight gradients
     (``m``, ``dproj``: LSTM projection only; ``rows``: ``[x_in | h_prev]`` when the
     replay built it, else None), and with ``input_grads`` the gradients of the module's
-    inputs ``(dx, dh0, dc0)`` (``dx`` time-major and padded like ``x``; ``dc0`` None unless
-    LSTM), else None.
+    inputs ``(dx, dh0, dc0)`` (``dx`` time-major and padded like ``x``, None without
+    ``input_dx``; ``dc0`` None unless LSTM), else None.
     """
     T = x.shape[0]
     directions = 2 if bidirectional else 1
@@ -366,7 +366,7 @@ def replay_stack(mode, x, h0, c0, weights, num_layers, bidirectional, lengths, o
             dgi, dgh, dproj = replay.backward(parts[d], dh_n[k], None if dc_n is None else dc_n[k],
                                               initial=input_grads)
             result[(layer, d)] = (inputs[layer], replay.h_prev, replay.m, dgi, dgh, dproj, replay.rows)
-            if layer > 0 or input_grads:
+            if layer > 0 or (input_grads and input_dx):
                 dx = torch.matmul(dgi, replay.weights.w_ih)
                 d_below = dx if d_below is None else d_below + dx
         if layer > 0:

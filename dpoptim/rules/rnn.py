@@ -192,17 +192,22 @@ class RecurrentRule(FactoredRule):
         return [t for t in self._input_tensors(module, args, kwargs) if t is not None and t.requires_grad]
 
     def input_gradients(self, use):
+        need_x, need_h, need_c = use.saved["needs"]
         _, (dx, dh0, dc0) = self._replay(use, input_grads=True)
         x, hx = use.saved["x"], use.saved["hx"]
         h0, c0 = (hx if isinstance(hx, tuple) else (hx, None)) if hx is not None else (None, None)
-        if isinstance(x, PackedSequence):
-            dx = _pack_like(x, dx)
-        elif use.module.batch_first:
-            dx = dx.transpose(0, 1)
-        grads = [dx.to(x.data.dtype)]
-        grads.append(None if h0 is None else dh0.to(h0.dtype))
-        grads.append(None if c0 is None else dc0.to(c0.dtype))
-        return [g for g, need in zip(grads, use.saved["needs"]) if need]
+        grads = []
+        if need_x:
+            if isinstance(x, PackedSequence):
+                dx = _pack_like(x, dx)
+            elif use.module.batch_first:
+                dx = dx.transpose(0, 1)
+            grads.append(dx.to(x.data.dtype))
+        if need_h:
+            grads.append(dh0.to(h0.dtype))
+        if need_c:
+            grads.append(dc0.to(c0.dtype))
+        return grads
 
     def factors(self, use):
         module = use.module
@@ -274,7 +279,8 @@ class RecurrentRule(FactoredRule):
         masks = None if state is None else self._masks(module, x, out, state, dtype)
         done = use.cache["replayed"] = replay_stack(
             module.mode, inputs, h0, c0, weights, module.num_layers, module.bidirectional,
-            lengths, output, d_output, dh_n, dc_n, masks, input_grads=input_grads)
+            lengths, output, d_output, dh_n, dc_n, masks, input_grads=input_grads,
+            input_dx=use.saved["needs"][0])
         return done
 
     @staticmethod
