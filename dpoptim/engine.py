@@ -49,6 +49,10 @@ _group_ids = itertools.count()
 # id(parameter) -> (weakref to the parameter, weakref to the engine that clips it)
 _CLAIMED: dict[int, tuple] = {}
 
+# The last backward() call that reached a DP optimizer's parameters: [graph task id, the
+# engines it reached]. Two engines in one backward are two mechanisms on the same examples.
+_LAST_TASK: list = [None, []]
+
 
 def _uses_batch_statistics(module: nn.Module) -> bool:
     return module.training or getattr(module, "running_mean", None) is None
@@ -57,10 +61,12 @@ def _uses_batch_statistics(module: nn.Module) -> bool:
 class _Record:
     """One forward call of one module."""
 
-    __slots__ = ("module", "rule", "params", "saved", "n_outputs", "group_id", "cache", "released", "__weakref__")
+    __slots__ = ("module", "rule", "params", "saved", "n_outputs", "group_id", "cache", "released", "root",
+                 "__weakref__")
 
-    def __init__(self, module, rule, params, saved, n_outputs):
+    def __init__(self, module, rule, params, saved, n_outputs, root=None):
         self.module = module
+        self.root = root  # the outermost module call it ran inside (a _Root), if another
         self.rule = rule
         self.params = params  # list of (name, parameter)
         self.saved = saved
@@ -76,6 +82,29 @@ def _twice(record) -> str:
         "(backward with retain_graph=True): its examples would be clipped twice. "
         "Run a fresh forward pass for each backward()."
     )
+
+
+class _Root:
+    """The outermost module call in progress (the model's own forward): the size of its
+    first tensor argument is the number of examples, which every layer inside must see."""
+
+    __slots__ = ("module", "sizes")
+
+    def __init__(self, module, args):
+        self.module = module
+        self.sizes = _leading_sizes(args)
+
+    def complete(self, kwargs) -> None:
+        if self.sizes is None and kwargs:  # called with keywords only (model(**batch))
+            self.sizes = _leading_sizes(tuple(v for v in kwargs.values() if isinstance(v, torch.Tensor))[:1])
+
+
+def _leading_sizes(args):
+    """``(dim 0, dim 1)`` sizes of a first argument that is a plain tensor, else None."""
+    if not args or type(args[0]) not in (torch.Tensor, nn.Parameter) or args[0].dim() == 0:
+        return None
+    shape = args[0].shape
+    return shape[0], (shape[1] if len(shape) > 1 else None)
 
 
 class _StandIn(torch.autograd.Function):
@@ -121,6 +150,7 @@ class _Group:
 
     def __init__(self):
         self.id = next(_group_ids)
+        self.task = torch._C._current_graph_task_id()  # the backward() call it belongs to
         self.uses: dict[int, tuple[_Record, list]] = {}
         self.accumulated: dict[int, torch.Tensor] = {}
         self.autograd: dict[int, torch.Tensor] = {}
@@ -130,14 +160,20 @@ class _Group:
 # Hooks hold the engine weakly, so dropping the optimizer frees it and its hooks.
 def _forward_pre_hook(engine_ref, module, args):
     engine = engine_ref()
-    if engine is not None and torch.is_grad_enabled():
-        engine._on_forward_pre(module, args)
+    if engine is not None:
+        if engine._depth == 0:
+            engine._root = _Root(module, args)
+        engine._depth += 1
+        if torch.is_grad_enabled():
+            engine._on_forward_pre(module, args)
 
 
 def _forward_hook(engine_ref, module, args, kwargs, output):
     engine = engine_ref()
     if engine is not None:
         engine._restore(module)
+        if engine._root is not None and engine._root.module is module:
+            engine._root.complete(kwargs)
         if torch.is_grad_enabled():
             return engine._on_forward(module, args, kwargs, output)
     return None
@@ -148,6 +184,7 @@ def _restore_hook(engine_ref, module, args, output):
     if engine is not None:
         engine._restore(module)
         engine._leave_context(module)
+        engine._depth = max(0, engine._depth - 1)
 
 
 def _output_grad_hook(engine_ref, record, index, grad):
@@ -165,7 +202,7 @@ def _mixing_hook(engine_ref, module, grad):
 def _accumulated_hook(engine_ref, param):
     engine = engine_ref()
     if engine is not None:
-        engine._group().accumulated[id(param)] = param
+        engine._group(arriving=id(param)).accumulated[id(param)] = param
 
 
 def _param_grad_hook(engine_ref, param_id, grad):
@@ -226,6 +263,8 @@ class GradEngine:
         self._autocast_seen = False
         self._hooked: set[int] = set()
         self._warned_eval = False
+        self._depth = 0  # module calls in progress
+        self._root: _Root | None = None
         self.reset()
         self.detach_parameters = True
         self._detached: dict[int, list] = {}
@@ -292,6 +331,8 @@ class GradEngine:
         self._clip_norms: set[float] = set()
         self.examples = 0
         self.backward_calls = 0
+        self.seen: set[int] = set()  # parameters backward accumulated into in this logical batch
+        self._marks: dict[int, tuple] = {}  # id(param) -> (its .grad, that tensor's version)
 
     def clipped_sums(self) -> dict[int, torch.Tensor]:
         """The clipped sums of the logical batch, by ``id(param)``; raises what went wrong."""
@@ -334,6 +375,12 @@ class GradEngine:
         return decision
 
     def _on_forward_pre(self, module, args) -> None:
+        if _is_compiled_wrapper(module) and any(id(p) in self._params for p in module.parameters()):
+            raise RuntimeError(
+                f"torch.compile(model) returned a wrapper ({type(module).__name__}) whose compiled "
+                "forward hides the layers from dpoptim's hooks. Compile the model in place instead: "
+                "model.compile(), then call model as usual."
+            )
         decision = self._decide(module)
         if decision is None:
             return
@@ -439,7 +486,8 @@ class GradEngine:
             return
         if self._verify and _autocast_enabled():
             self._autocast_seen = True
-        record = _Record(module, rule, params, rule.save(module, args, kwargs, output), len(outputs))
+        root = self._root if self._root is not None and self._root.module is not module else None
+        record = _Record(module, rule, params, rule.save(module, args, kwargs, output), len(outputs), root)
         replaced = None
         if self.detach_parameters and not self._verify and not _distributed():
             replaced = self._stand_in(record, args, kwargs, output, outputs)
@@ -448,6 +496,12 @@ class GradEngine:
         for index, t in enumerate(outputs):
             if t.requires_grad:
                 t.register_hook(functools.partial(_output_grad_hook, self._ref, record, index))
+        if _in_backward():
+            # A forward run by a backward: reentrant checkpointing recomputes its segment
+            # here and backpropagates it in a nested backward() of its own. Opening the
+            # group now ties its end to the outer backward, so every segment's uses are
+            # clipped together, once per example, instead of segment by segment.
+            self._group()
         return replaced
 
     def _stand_in(self, record, args, kwargs, output, outputs):
@@ -476,11 +530,42 @@ class GradEngine:
                 self._ghosts.add(id(p))
         return rule.with_outputs(module, output, list(new))
 
-    def _group(self) -> _Group:
+    def _group(self, arriving: int | None = None) -> _Group:
         if self._open is None:
+            self._follow_cleared_grads(arriving)
             self._open = _Group()
             torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_close_group, self._ref))
         return self._open
+
+    def _follow_cleared_grads(self, arriving: int | None) -> None:
+        """Drop the logical batch so far if the user cleared the gradients since its last
+        backward without ``optimizer.zero_grad()`` (``model.zero_grad()``, ``p.grad = None``).
+
+        torch would forget those examples, so dpoptim does too: otherwise a loop that clears
+        with the model and skips a ``step()`` gets two batches charged as one step. Checked
+        when the next backward starts, on the gradients autograd left in ``.grad`` (all but
+        ``arriving``, which that backward has just accumulated into).
+        """
+        if not self._marks:
+            return
+        cleared = []
+        for pid, (ref, version) in self._marks.items():
+            if pid == arriving:
+                continue
+            grad = self._params[pid].grad
+            if grad is None or ((grad is not ref() or grad._version != version) and not bool(grad.any())):
+                cleared.append(pid)
+        if not cleared:
+            return
+        if len(cleared) < len(self._marks) - (arriving in self._marks):
+            names = ", ".join(self._describe(self._params[pid]) for pid in cleared[:3])
+            self._errors.append(
+                f"the gradients of some parameters ({names}) were cleared between two backward() calls "
+                "but not those of the others: dpoptim cannot tell which examples to forget. Clear "
+                "with optimizer.zero_grad() (or model.zero_grad() for the whole model)."
+            )
+            return
+        self.reset()
 
     def _on_output_grad(self, record, index, grad):
         group = self._group()
@@ -499,15 +584,33 @@ class GradEngine:
         group, self._open = self._open, None
         if group is None or not group.accumulated:
             return  # torch.autograd.grad, or a backward that never reached our parameters
+        self._refuse_second_engine(group.task)
         try:
             self._process(group)
         except Exception as exc:
             self._errors.append(f"clipping failed during backward(): {exc}")
             raise
 
+    def _refuse_second_engine(self, task: int) -> None:
+        """One backward() that reaches the parameters of two DP optimizers runs two Gaussian
+        mechanisms on the same examples: each ledger would show only its own share of the
+        cost. Refused in both optimizers' next step."""
+        if _LAST_TASK[0] != task:
+            _LAST_TASK[:] = [task, []]
+        others = [engine for engine in (ref() for ref in _LAST_TASK[1]) if engine is not None and engine is not self]
+        _LAST_TASK[1].append(self._ref)
+        for engine in [self, *others] if others else []:
+            engine._errors.append(
+                "one backward() reached the parameters of two DP optimizers: each clips and noises "
+                "the same examples on its own and each reports only its own epsilon, while the run "
+                "costs both together. Give all parameters to one DP optimizer (use parameter groups "
+                "for different learning rates)."
+            )
+
     # ----------------------------------------------------------------- the math of one group
     def _process(self, group: _Group) -> None:
         self.backward_calls += 1
+        self.seen.update(group.accumulated)
         for module in group.mixing.values():
             self._errors.append(
                 f"{type(module).__name__} uses batch statistics, which mix examples: per-example "
@@ -575,6 +678,7 @@ class GradEngine:
         total = functools.reduce(torch.add, (_wide(s) for s in squared))
 
         n = total.shape[0]
+        _check_examples_against_model(uses, n)
         scale = float(n) if self.loss_reduction == "mean" else 1.0
         total = total * (scale * scale)
         bound = float(self._max_grad_norm())
@@ -622,6 +726,9 @@ class GradEngine:
 
         self.examples += n
         self._clip_norms.add(bound)
+        for pid, p in group.accumulated.items():  # what backward left in .grad (see _follow_cleared_grads)
+            if p.grad is not None:
+                self._marks[pid] = (weakref.ref(p.grad), p.grad._version)
 
     def _checked_norms(self, record, use, names):
         norms = record.rule.norms(use, names)
@@ -749,6 +856,30 @@ _USED_ELSEWHERE = (
 _MATERIALIZE_LIMIT = 1 << 24
 
 
+def _check_examples_against_model(uses, n: int) -> None:
+    """Refuse a backward whose layers saw ``n`` examples while the model they ran in was
+    called with another number: the examples were reshaped on the way (tokens flattened
+    into the batch dimension, a sequence-first tensor through Linear layers, the batch cut
+    into chunks), and each row a layer sees would be clipped as an example of its own."""
+    seq_first = any(getattr(record.module, "batch_first", True) is False for record, _ in uses)
+    for record, _ in uses:
+        root = record.root
+        if root is None or root.sizes is None:
+            continue
+        first, second = root.sizes
+        if n == first or (seq_first and n == second):
+            continue
+        raise RuntimeError(
+            f"{type(record.module).__name__} saw {n} examples, but the model around it "
+            f"({type(root.module).__name__}) was called with a batch of {first} (the first dimension of "
+            "its first argument): the examples were reshaped on the way, so each row a layer sees "
+            "would be clipped as an example of its own. Keep dimension 0 the example in every layer "
+            "(reshape [n, T, d] -> [n * T, d] and back is not allowed; Linear and Embedding take "
+            "[n, T, d] as they are; pass batch_first=True to recurrent and attention layers), and "
+            "pass the batch as the model's first argument."
+        )
+
+
 def _norms_of_terms(terms) -> torch.Tensor:
     """``||sum_u g_i^u||^2`` per example from factored terms (see ``Rule.terms``): with all
     rows of all uses stacked, ``sum_{t,s} (out_t . out_s)(inp_t . inp_s)``, cross terms
@@ -791,6 +922,17 @@ def _term_inner(x, y, dtype) -> torch.Tensor:
 
 def _autocast_enabled() -> bool:
     return torch.is_autocast_enabled("cpu") or (torch.cuda.is_available() and torch.is_autocast_enabled("cuda"))
+
+
+def _is_compiled_wrapper(module) -> bool:
+    """Whether ``module`` is what ``torch.compile(model)`` returns (a wrapper, not the model)."""
+    cls = type(module)
+    return cls.__name__ == "OptimizedModule" and cls.__module__.startswith("torch._dynamo")
+
+
+def _in_backward() -> bool:
+    """Whether this thread is running a backward pass (the autograd engine's graph task)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _distributed() -> bool:

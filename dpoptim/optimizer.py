@@ -149,6 +149,7 @@ class DPOptimizerMixin:
         secure_mode: bool = False,
         **kwargs,
     ):
+        _check_optimizer_class(type(self))
         if loss_reduction not in _LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         max_grad_norm = _check_max_grad_norm(max_grad_norm)
@@ -228,6 +229,7 @@ class DPOptimizerMixin:
         self.accountant = accountant
         self.max_epsilon = None if max_epsilon is None else float(max_epsilon)
         self._user_generator = generator
+        self._written: dict[int, weakref.ref] = {}  # id(param) -> the .grad the last step() wrote
         self.secure_mode = bool(secure_mode)
         self._generators: dict[torch.device, torch.Generator] = {}
         self._ledger: list[list] = []  # runs of [sigma, q, count]
@@ -331,9 +333,8 @@ class DPOptimizerMixin:
         process_group = distributed.resolve_group(self._process_group)
         rank, world = distributed.rank_and_size(process_group)
 
-        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         by_device: dict[torch.device, list] = {}
-        for p in params:
+        for p in self._updated_params(sums):
             s = sums.get(id(p))
             if s is None:
                 s = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -350,9 +351,11 @@ class DPOptimizerMixin:
             distributed.all_reduce_sum_(grads, process_group, settings)
         if grads:
             torch._foreach_div_(grads, batch)
+        self._written = {}
         for pairs in by_device.values():
             for p, g in pairs:
                 p.grad = g
+                self._written[id(p)] = weakref.ref(g)
         self._engine.reset()
         super().step()
         self._record(sigma, q)
@@ -360,6 +363,35 @@ class DPOptimizerMixin:
         self._watch_batch_size(examples, q, batch / world)
         self._watch_mean_batch_size(examples, batch / world)
         return loss
+
+    def _updated_params(self, sums: dict) -> list:
+        """The parameters this step updates, each of which gets a privatised gradient.
+
+        Every trainable parameter (a noise-only gradient if no example reached it), and
+        every frozen one that holds a ``.grad`` (frozen between ``backward()`` and ``step()``:
+        torch's update would apply the raw gradient, so it is replaced like any other). A
+        ``.grad`` that no backward dpoptim saw produced (set by hand, from
+        ``torch.autograd.grad``, or left from before the optimizer existed) is refused: it
+        would otherwise silently become a noise-only step.
+        """
+        updated = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                grad = p.grad
+                if grad is not None and id(p) not in sums and id(p) not in self._engine.seen:
+                    written = self._written.get(id(p))
+                    if written is None or written() is not grad:
+                        self._engine.reset()
+                        raise RuntimeError(
+                            f"{self._engine._describe(p)} holds a .grad that no backward() seen by dpoptim "
+                            "produced (set by hand, from torch.autograd.grad, or from a backward before the "
+                            "optimizer was built). dpoptim clips per example during loss.backward() and "
+                            "cannot privatise a finished gradient: call optimizer.zero_grad(), then "
+                            "loss.backward(), then step()."
+                        )
+                if p.requires_grad or grad is not None or id(p) in sums:
+                    updated.append(p)
+        return updated
 
     # ----------------------------------------------------------------- mixed precision
     def _loss_scale(self) -> float:
@@ -522,7 +554,25 @@ class DPOptimizerMixin:
         }
         return state
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_state_dict(self, state_dict: dict, *, ledger: str | None = None) -> None:
+        """Resume from :meth:`state_dict`, never lowering the privacy charged.
+
+        The torch state (moments, step counts, the parameter groups with their
+        ``noise_multiplier`` and ``max_grad_norm``) and a saved user generator come from the
+        checkpoint. ``sample_rate``, ``expected_batch_size``, ``delta`` and ``max_epsilon``
+        stay the constructor's, which describe how this run samples and what it may spend;
+        a :class:`PrivacyWarning` names any the checkpoint had otherwise.
+
+        The ledger: the checkpoint's when it continues this optimizer's (a fresh optimizer
+        resuming), this optimizer's when it already contains the checkpoint's (rolling back
+        to an earlier checkpoint of this run: the steps since were taken and stay charged).
+        Ledgers that neither contains are refused unless ``ledger`` says what to do:
+        ``'both'`` charges both (a sound upper bound), ``'checkpoint'`` replaces this
+        optimizer's steps by the checkpoint's (only if nothing computed in those steps is
+        ever released).
+        """
+        if ledger not in (None, "both", "checkpoint"):
+            raise ValueError(f"ledger must be None, 'both' or 'checkpoint', got {ledger!r}")
         state_dict = dict(state_dict)
         dp = state_dict.pop("dpoptim", None)
         if dp is None:
@@ -530,18 +580,85 @@ class DPOptimizerMixin:
                 "this state_dict has no 'dpoptim' entry (privacy ledger): it was not saved by a "
                 "dpoptim optimizer, and resuming from it would under-report epsilon"
             )
-        ledger = [list(run) for run in dp["ledger"]]
-        if "steps_taken" in dp and dp["steps_taken"] != sum(run[2] for run in ledger):
+        saved = [list(run) for run in dp["ledger"]]
+        if "steps_taken" in dp and dp["steps_taken"] != sum(run[2] for run in saved):
             raise ValueError("this state_dict's privacy ledger does not add up to its step count: it is corrupted")
+        merged = _merge_ledgers(self._ledger, saved, ledger)
         super().load_state_dict(state_dict)
-        self._ledger = ledger
-        self.expected_batch_size = dp["expected_batch_size"]
-        self.sample_rate = dp["sample_rate"]
-        self.max_epsilon = dp["max_epsilon"]
-        self.delta = dp["delta"]
+        self._ledger = merged
         self._budget_cache = None
+        differ = [
+            f"{name}={dp[name]} in the checkpoint, {getattr(self, name)} now"
+            for name in ("sample_rate", "expected_batch_size", "delta", "max_epsilon")
+            if name in dp and dp[name] != getattr(self, name)
+        ]
+        if differ:
+            warnings.warn(
+                "resuming with the constructor's privacy settings, not the checkpoint's ("
+                + "; ".join(differ) + "): steps already taken stay charged at the rate they were taken "
+                "with. Pass the checkpoint's values to the constructor to keep them.",
+                PrivacyWarning,
+                stacklevel=2,
+            )
         if dp.get("generator") is not None and self._user_generator is not None:
             self._user_generator.set_state(dp["generator"])
+
+
+def _merge_ledgers(current: list, saved: list, how: str | None) -> list:
+    """The ledger after loading ``saved`` into an optimizer holding ``current`` (see
+    :meth:`DPOptimizerMixin.load_state_dict`); runs are ``[sigma, q, count]``."""
+    if how == "checkpoint" or _starts_with(saved, current):
+        return [list(run) for run in saved]
+    if _starts_with(current, saved):
+        return [list(run) for run in current]
+    if how == "both":
+        return [list(run) for run in current] + [list(run) for run in saved]
+    raise ValueError(
+        f"this optimizer has taken {sum(r[2] for r in current)} steps that the checkpoint's ledger "
+        f"({sum(r[2] for r in saved)} steps) does not contain, and loading it would lower the privacy "
+        "charged. Load checkpoints into a freshly built optimizer, or pass ledger='both' to "
+        "charge both histories (ledger='checkpoint' replaces this optimizer's steps: only if "
+        "nothing computed in them is ever released)."
+    )
+
+
+def _starts_with(runs: list, prefix: list) -> bool:
+    """Whether the steps of ``runs`` begin with the steps of ``prefix`` (both ledgers of runs
+    ``[sigma, q, count]``)."""
+    a, b = _normalised(runs), _normalised(prefix)
+    if not b:
+        return True
+    if len(b) > len(a) or a[: len(b) - 1] != b[:-1]:
+        return False
+    last, there = b[-1], a[len(b) - 1]
+    return last[:2] == there[:2] and last[2] <= there[2]
+
+
+def _normalised(runs: list) -> list:
+    """Adjacent runs of the same ``(sigma, q)`` merged, empty runs dropped."""
+    out: list = []
+    for sigma, q, count in runs:
+        if count <= 0:
+            continue
+        if out and out[-1][:2] == [float(sigma), float(q)]:
+            out[-1][2] += int(count)
+        else:
+            out.append([float(sigma), float(q), int(count)])
+    return out
+
+
+# Optimizers that cannot take a privatised gradient: why, and what to use instead.
+_UNSUPPORTED = {
+    torch.optim.LBFGS: "re-evaluates the loss and reads .grad several times inside one step(), so "
+                       "each step would spend privacy many times; use DPSGD, DPAdam or make_private(AdamW)",
+    torch.optim.SparseAdam: "needs sparse gradients, and the noise makes every gradient dense; use DPAdam",
+}
+
+
+def _check_optimizer_class(cls: type) -> None:
+    for unsupported, why in _UNSUPPORTED.items():
+        if issubclass(cls, unsupported):
+            raise TypeError(f"dpoptim cannot make {unsupported.__name__} private: it {why}.")
 
 
 def _caller_stacklevel() -> int:
@@ -584,6 +701,7 @@ def make_private(optimizer_class: type) -> type:
         raise TypeError(f"make_private needs a torch.optim.Optimizer subclass, got {optimizer_class!r}")
     if issubclass(optimizer_class, DPOptimizerMixin):
         return optimizer_class
+    _check_optimizer_class(optimizer_class)
     if optimizer_class not in _CACHE:
         _CACHE[optimizer_class] = type(
             f"DP{optimizer_class.__name__}",

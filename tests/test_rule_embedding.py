@@ -166,7 +166,8 @@ class BagModel(nn.Module):
             return self.head(torch.tanh(self.bag(x, per_sample_weights=weights if with_weights else None)))
         keep = torch.arange(x.shape[1]) < lengths.unsqueeze(1)
         ends = lengths.cumsum(0)
-        starts = torch.cat([ends.new_zeros(1), ends if self.bag.include_last_offset else ends[:-1]])
+        # one offset per bag (plus the end with include_last_offset): none for an empty batch
+        starts = torch.cat([ends.new_zeros(1), ends])[: len(lengths) + self.bag.include_last_offset]
         out = self.bag(x[keep], starts, per_sample_weights=weights[keep] if with_weights else None)
         return self.head(torch.tanh(out))
 
