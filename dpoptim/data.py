@@ -21,7 +21,6 @@ A logical batch larger than memory allows is split into physical chunks with
 from __future__ import annotations
 
 import math
-import secrets
 from collections.abc import Mapping
 
 import torch
@@ -29,6 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
 from . import distributed
+from .privatize import fresh_generator
 
 __all__ = [
     "PoissonBatchSampler", "PoissonDataLoader", "batches_per_epoch", "poisson_loader", "poisson_indices",
@@ -104,8 +104,9 @@ class PoissonBatchSampler(Sampler[list[int]]):
         group = distributed.resolve_group(process_group)
         self.rank, self.world_size = distributed.rank_and_size(group)
         if generator is None:
-            generator = torch.Generator()
-            generator.manual_seed(distributed.agree_on_seed(secrets.randbits(63), group))
+            # The whole Mersenne Twister state from the OS (manual_seed would keep 32 bits, and
+            # the batches could be found by trying every seed), then rank 0's state everywhere.
+            generator = distributed.same_generator_everywhere(fresh_generator("cpu"), group)
         else:
             distributed.check_same_generator(generator, group)
         self.generator = generator

@@ -42,9 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="learning rate of the non-private run (default: 1.0)")
     parser.add_argument("--max-grad-norm", type=float, default=1.0,
                         help="per-example clipping norm C of the DP run (default: 1.0)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seeds the weights, the batches and the noise, for a reproducible demo "
-                             "(a real private run leaves the noise unseeded) (default: 0)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="also seed the batches and the noise, to repeat a run exactly; seeded noise "
+                             "protects nothing from anyone who knows the seed (default: batches and noise "
+                             "from the operating system, initial weights from seed 0)")
     device = parser.add_mutually_exclusive_group()
     device.add_argument("--cpu", dest="device", action="store_const", const="cpu", help="run on the CPU (default)")
     device.add_argument("--cuda", dest="device", action="store_const", const="cuda", help="run on the GPU")
@@ -118,6 +119,12 @@ def run(args) -> int:
         torch.set_num_threads(threads)
 
 
+def _seeded(seed: int | None, offset: int) -> torch.Generator | None:
+    """A generator seeded for a repeatable demo when ``--seed`` is given; otherwise None,
+    which makes dpoptim draw the whole generator state from the operating system."""
+    return None if seed is None else torch.Generator().manual_seed(seed + offset)
+
+
 def _run(args) -> int:
     import dpoptim
     from dpoptim.data import PoissonBatchSampler
@@ -132,19 +139,20 @@ def _run(args) -> int:
 
     # Poisson sampling, as the accountant assumes: every example joins each batch
     # independently with probability q, so batch sizes vary around q * n.
-    batches = PoissonBatchSampler(n, sample_rate, generator=torch.Generator().manual_seed(args.seed + 1))
+    seed = 0 if args.seed is None else args.seed
+    batches = PoissonBatchSampler(n, sample_rate, generator=_seeded(args.seed, 1))
     steps = args.epochs * len(batches)
 
-    plain_model = _model(args.seed).to(device)
-    dp_model = _model(args.seed).to(device)  # the same initial weights
+    plain_model = _model(seed).to(device)
+    dp_model = _model(seed).to(device)  # the same initial weights
     plain_opt = torch.optim.SGD(plain_model.parameters(), lr=args.lr_nonprivate)
     dp_opt = dpoptim.DPSGD(
         dp_model.parameters(), lr=args.lr,
         target_epsilon=args.epsilon, delta=DELTA, steps=steps,
         max_grad_norm=args.max_grad_norm, expected_batch_size=sample_rate * n, dataset_size=n,
-        generator=torch.Generator().manual_seed(args.seed + 2),
+        generator=_seeded(args.seed, 2),
     )
-    shuffle = torch.Generator().manual_seed(args.seed + 3)
+    shuffle = torch.Generator().manual_seed(seed + 3)
 
     print(f"Handwritten digits: {n} training and {len(y_test)} test images (8x8), "
           f"model 64-{HIDDEN}-10, on {'the CPU (1 thread)' if device.type == 'cpu' else 'CUDA'}.")

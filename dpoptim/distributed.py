@@ -22,7 +22,7 @@ import hashlib
 
 import torch
 
-__all__ = ["resolve_group", "rank_and_size", "agree_on_seed", "check_same_generator", "all_reduce_sum_"]
+__all__ = ["resolve_group", "rank_and_size", "same_generator_everywhere", "check_same_generator", "all_reduce_sum_"]
 
 
 def _dist():
@@ -59,13 +59,14 @@ def _src(group) -> int:
     return _dist().get_global_rank(group, 0)
 
 
-def agree_on_seed(seed: int, group) -> int:
-    """Rank 0's ``seed`` on every rank (a collective: all ranks must call it)."""
+def same_generator_everywhere(generator: torch.Generator, group) -> torch.Generator:
+    """``generator`` set to rank 0's state on every rank (a collective: all ranks must call it)."""
     if group is None:
-        return seed
-    box = [seed]
+        return generator
+    box = [generator.get_state()]
     _dist().broadcast_object_list(box, src=_src(group), group=group)
-    return box[0]
+    generator.set_state(box[0])
+    return generator
 
 
 def check_same_generator(generator: torch.Generator, group) -> None:
