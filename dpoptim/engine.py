@@ -726,9 +726,19 @@ class GradEngine:
 
         self.examples += n
         self._clip_norms.add(bound)
-        for pid, p in group.accumulated.items():  # what backward left in .grad (see _follow_cleared_grads)
-            if p.grad is not None:
-                self._marks[pid] = (weakref.ref(p.grad), p.grad._version)
+        self._mark_grads(group.accumulated)
+
+    def _mark_grads(self, accumulated: dict) -> None:
+        """Remember what backward left in ``.grad`` (see :meth:`_follow_cleared_grads`). An
+        all-zero gradient is no evidence either way (zeroing it changes nothing), so only
+        non-zero ones are marked: one device sync for all of them."""
+        grads = [(pid, p.grad) for pid, p in accumulated.items() if p.grad is not None and not p.grad.is_sparse]
+        if not grads:
+            return
+        nonzero = torch.stack([g.ne(0).any().to(grads[0][1].device) for _, g in grads]).tolist()
+        for (pid, g), keep in zip(grads, nonzero):
+            if keep:
+                self._marks[pid] = (weakref.ref(g), g._version)
 
     def _checked_norms(self, record, use, names):
         norms = record.rule.norms(use, names)

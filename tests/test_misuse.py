@@ -509,3 +509,15 @@ def test_couplings_no_hook_sees_break_the_bound_and_their_per_example_forms_do_n
         model, per_example = Normalised("layer_norm"), regress
     safe = max(sensitivity(model, s * x, y, train_step=per_example) for s in SCALES)
     assert safe <= 1 + 1e-9, f"{name}: the per-example form moved the update by {safe:.3f} C/B"
+
+
+def test_no_doc_or_example_teaches_a_fixed_noise_or_sampling_seed():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    files = [root / "README.md", *(root / "docs").glob("*.md"), *(root / "examples").glob("*.py")]
+    seeded = re.compile(r"generator\s*=\s*torch\.Generator\([^)]*\)\s*\.manual_seed")
+    found = [f"{path.name}:{text.count(chr(10), 0, m.start()) + 1}"
+             for path in files for text in [path.read_text()] for m in seeded.finditer(text)]
+    assert not found, f"a fixed seed for noise or sampling is taught in {found}"
