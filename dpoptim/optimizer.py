@@ -351,7 +351,6 @@ class DPOptimizerMixin:
             distributed.all_reduce_sum_(grads, process_group, settings)
         if grads:
             torch._foreach_div_(grads, batch)
-        self._written = {}
         for pairs in by_device.values():
             for p, g in pairs:
                 p.grad = g
@@ -365,31 +364,31 @@ class DPOptimizerMixin:
         return loss
 
     def _updated_params(self, sums: dict) -> list:
-        """The parameters this step updates, each of which gets a privatised gradient.
+        """The parameters this step gives a privatised gradient.
 
-        Every trainable parameter (a noise-only gradient if no example reached it), and
-        every frozen one that holds a ``.grad`` (frozen between ``backward()`` and ``step()``:
-        torch's update would apply the raw gradient, so it is replaced like any other). A
-        ``.grad`` that no backward dpoptim saw produced (set by hand, from
-        ``torch.autograd.grad``, or left from before the optimizer existed) is refused: it
-        would otherwise silently become a noise-only step.
+        Every trainable parameter (a noise-only gradient if no example reached it), and a
+        frozen one that a backward of this batch reached (frozen between ``backward()`` and
+        ``step()``: torch's update would apply autograd's raw gradient, so it is replaced
+        like any other). A ``.grad`` that neither a backward dpoptim saw nor the last
+        ``step()`` produced (set by hand, from ``torch.autograd.grad``, or left from before
+        the optimizer existed) is refused: it would otherwise silently become a noise-only
+        step. A frozen parameter holding the last step's gradient keeps it, as in torch.
         """
         updated = []
         for group in self.param_groups:
             for p in group["params"]:
-                grad = p.grad
-                if grad is not None and id(p) not in sums and id(p) not in self._engine.seen:
-                    written = self._written.get(id(p))
-                    if written is None or written() is not grad:
-                        self._engine.reset()
-                        raise RuntimeError(
-                            f"{self._engine._describe(p)} holds a .grad that no backward() seen by dpoptim "
-                            "produced (set by hand, from torch.autograd.grad, or from a backward before the "
-                            "optimizer was built). dpoptim clips per example during loss.backward() and "
-                            "cannot privatise a finished gradient: call optimizer.zero_grad(), then "
-                            "loss.backward(), then step()."
-                        )
-                if p.requires_grad or grad is not None or id(p) in sums:
+                reached = id(p) in sums or id(p) in self._engine.seen
+                written = self._written.get(id(p))
+                if p.grad is not None and not reached and (written is None or written() is not p.grad):
+                    self._engine.reset()
+                    raise RuntimeError(
+                        f"{self._engine._describe(p)} holds a .grad that no backward() seen by dpoptim "
+                        "produced (set by hand, from torch.autograd.grad, or from a backward before the "
+                        "optimizer was built). dpoptim clips per example during loss.backward() and "
+                        "cannot privatise a finished gradient: call optimizer.zero_grad(), then "
+                        "loss.backward(), then step()."
+                    )
+                if p.requires_grad or reached:
                     updated.append(p)
         return updated
 

@@ -116,6 +116,23 @@ def test_freezing_between_backward_and_step_still_applies_a_privatised_gradient(
     assert torch.allclose(frozen, plain, rtol=1e-9, atol=1e-12)
 
 
+def test_a_parameter_frozen_for_good_gets_no_fresh_noise():
+    """Frozen after some steps while keeping its (zeroed) .grad: torch would apply that
+    stale gradient, and so does dpoptim; it adds no noise to a parameter no backward reached."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    opt = _opt(model.parameters(), noise_multiplier=1.0, lr=0.1)
+    opt.zero_grad()
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    model[0].requires_grad_(False)
+    frozen = _flat(model[0].parameters())
+    for _ in range(3):
+        opt.zero_grad(set_to_none=False)
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+    assert torch.equal(frozen, _flat(model[0].parameters()))
+
+
 def test_a_gradient_set_by_hand_is_refused():
     model = nn.Linear(3, 2)
     opt = _opt(model.parameters())
