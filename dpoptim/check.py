@@ -294,7 +294,11 @@ class _Checker:
             raise _Stop
 
     def _loss(self, model, batch, seed: int = 0) -> torch.Tensor:
-        torch.manual_seed(seed)  # inside fork_rng: the caller's generators are restored afterwards
+        # Inside fork_rng: the caller's generators are restored afterwards. (Not
+        # torch.manual_seed, whose first call imports the compiler stack.)
+        torch.default_generator.manual_seed(seed)
+        if torch.cuda.is_initialized():
+            torch.cuda.manual_seed_all(seed)
         loss = self.loss_fn(model, batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -357,6 +361,8 @@ class _Checker:
         chunk = self.micro or len(indices)
         for start in range(0, len(indices), chunk):
             self._loss(model, take(self.data, indices[start:start + chunk])).backward()
+        # How many examples dpoptim's hooks counted (rows of dim 0), if the engine says.
+        self.counted = getattr(getattr(optimizer, "_engine", None), "examples", None)
         optimizer.step()
         return [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
                 for p in model.parameters() if p.requires_grad]
@@ -381,6 +387,7 @@ class _Checker:
             optimizer = self._build(DPSGD, model, lr=0.0)
             doing = "on the full batch (first step)"
             first = self._update(optimizer, model, everything)
+            counted = self.counted
             if self.expected is None:  # the per-example loop failed: nothing to compare with
                 return
             doing = "on the full batch (second step)"
@@ -397,7 +404,7 @@ class _Checker:
                 self.fail(
                     f"(2) dpoptim's clipped step differs from the per-example loop ({steps}): relative error "
                     f"{error:.3g} (tolerance {self.tol:.0e}), largest in {names}. "
-                    + self._diagnose(DPSGD)
+                    + self._diagnose(DPSGD, counted)
                 )
             sensitivities, errors = [], []
             for i in self.removed:
@@ -432,9 +439,18 @@ class _Checker:
                 + self._causes()
             )
 
-    def _diagnose(self, optimizer_class) -> str:
+    def _diagnose(self, optimizer_class, counted) -> str:
         """Tell a coupling between examples from a gradient dpoptim attributes wrongly: run
         the per-example loop through dpoptim itself, one backward() per example."""
+        if counted is not None and counted != self.n:
+            return (
+                f"dpoptim's layer rules found {counted} examples in this batch of {self.n}: inside the model a "
+                "tensor with parameters applied to it has something other than the examples at dim 0, so its "
+                "rows, not the examples, were clipped one by one. Usual causes: tokens flattened into "
+                "dim 0 (x.reshape(-1, d) or x.view(-1, d) before a Linear layer, which applies to the last "
+                "dim anyway: drop the reshape) or a sequence-first layout (x.transpose(0, 1), "
+                "batch_first=False): keep the example axis at dim 0 in every layer with parameters."
+            )
         model = copy.deepcopy(self.ref)
         optimizer = None
         try:
@@ -452,10 +468,12 @@ class _Checker:
         if self._error(alone) <= self.tol:
             return ("With one backward() per example dpoptim agrees with the loop, so the batch itself "
                     "couples the examples. " + self._causes())
-        return ("dpoptim differs from the loop even with one backward() per example: a parameter is "
-                "used where no layer rule sees all of it (a weight in a functional call, a parameter "
-                "shared in a way its rule does not handle) or a layer rule is wrong. Route every use of "
-                "each parameter through its module; if it still fails, report it with this model.")
+        return ("dpoptim differs from the loop even with one backward() per example: inside the model a "
+                "layer with parameters sees something other than the examples at dim 0 (a sequence-first "
+                "tensor, tokens flattened into dim 0), a parameter is used where no layer rule sees all of "
+                "it (a weight in a functional call), or a layer rule is wrong. Keep the example axis at "
+                "dim 0 and route every use of each parameter through its module; if it still fails, "
+                "report it with this model.")
 
     def _with_user_optimizer(self) -> None:
         from .optimizer import DPOptimizerMixin
