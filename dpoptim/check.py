@@ -81,8 +81,8 @@ class CheckResult:
         ``C / B`` (``B = n``). DP-SGD and its accountant need it to be at most 1.
     removal_error
         Largest ``||u(D) - u(D without i) - clip(g_i) / n||`` in units of ``C / B``: how
-        much removing one example changed the other examples' contributions (0 when
-        examples do not interact).
+        far removing one example moved the update beyond that example's own clipped
+        gradient (0 when examples do not interact and dpoptim clips exactly).
     optimizer_error
         ``step_error`` of the user's DP optimizer (``optimizer_class``), if one was given.
     """
@@ -132,7 +132,7 @@ class CheckResult:
         if self.sensitivity is not None:
             lines.append(
                 f"  (3) removing example(s) {', '.join(map(str, self.removed))}: the update moved by at most "
-                f"{self.sensitivity:.4g} C/B (must be <= 1); the other examples' contributions changed by "
+                f"{self.sensitivity:.4g} C/B (must be <= 1), beyond the example's own clipped gradient by "
                 f"{self.removal_error:.2e} C/B"
             )
         if self.optimizer_error is not None:
@@ -176,7 +176,8 @@ def check(model: nn.Module, batch, loss_fn, *, max_grad_norm: float = 1.0, loss_
     4. all of it with the given micro-batches and whatever checkpointing the model does;
        and with ``optimizer_class`` (``dpoptim.DPAdam``, say, with its other keyword
        arguments), that this optimizer builds on the model and leaves the same privatised
-       gradient in ``.grad`` (its noise switched off).
+       gradient in ``.grad`` (its noise switched off). Optimizer keyword arguments without
+       ``optimizer_class`` are checked on :class:`dpoptim.DPSGD`.
 
     Any error dpoptim raises on the way is reported as a failure with its message.
     Returns a :class:`CheckResult`; ``print(result)`` explains it.
@@ -198,6 +199,10 @@ def check(model: nn.Module, batch, loss_fn, *, max_grad_norm: float = 1.0, loss_
             f"check needs a batch of at least 2 examples to see how examples interact, got {n}; "
             "pass a real batch from the training data (8 to 64 examples is plenty)"
         )
+    if optimizer_class is None and optimizer_kwargs:
+        from .optimizer import DPSGD
+
+        optimizer_class = DPSGD  # arguments given for the training optimizer: check them on DPSGD
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     checker = _Checker(model, batch, loss_fn, n, max_grad_norm, loss_reduction,
                        None if micro_batch_size is None else int(micro_batch_size), int(removals),
@@ -277,6 +282,7 @@ class _Checker:
         self.dtype = dtype if dtype is not None else _floating_dtype(ref)
         self.tol = _TOLERANCE.get(self.dtype, _LOW_PRECISION_TOLERANCE)
         self.ref, self.data = ref, batch
+        self.batch_loss = float(first.detach())
         self.result.dtype, self.result.tolerance = self.dtype, self.tol
         self.result.dropout_disabled = disabled
         self.params = [(name, p) for name, p in ref.named_parameters() if p.requires_grad]
@@ -311,12 +317,15 @@ class _Checker:
         self.clipped_sum = [torch.zeros_like(p) for _, p in self.params]
         self.removed = _removal_order(self.n, self.removals)
         self.clipped: dict[int, list[torch.Tensor]] = {}
-        norms = []
+        norms, losses = [], []
+        self.losses = losses
         for i in range(self.n):
             for _, p in self.params:
                 p.grad = None
             try:
-                self._loss(self.ref, take(self.data, [i])).backward()
+                loss = self._loss(self.ref, take(self.data, [i]))
+                losses.append(float(loss.detach()))
+                loss.backward()
             except Exception as exc:
                 self.fail(
                     f"loss_fn failed on example {i} alone (batch[{i}:{i + 1}]): {type(exc).__name__}: {exc}. "
@@ -361,8 +370,11 @@ class _Checker:
         chunk = self.micro or len(indices)
         for start in range(0, len(indices), chunk):
             self._loss(model, take(self.data, indices[start:start + chunk])).backward()
-        # How many examples dpoptim's hooks counted (rows of dim 0), if the engine says.
-        self.counted = getattr(getattr(optimizer, "_engine", None), "examples", None)
+        # How many examples dpoptim's hooks counted (rows of dim 0) and in how many backward
+        # passes, if the engine says.
+        engine = getattr(optimizer, "_engine", None)
+        self.counted = getattr(engine, "examples", None), getattr(engine, "backward_calls", None)
+        self.backwards = -(-len(indices) // chunk)
         optimizer.step()
         return [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
                 for p in model.parameters() if p.requires_grad]
@@ -429,19 +441,39 @@ class _Checker:
             worst = max(range(len(self.removed)), key=lambda k: max(sensitivities[k] - 1, errors[k]))
             self.fail(
                 f"(3) removing example {self.removed[worst]} moved the update by {sensitivities[worst]:.3g} C/B "
-                f"(at most 1 allowed) and changed the other examples' clipped contributions by "
+                f"(at most 1 allowed), and that change differs from the example's own clipped gradient / n by "
                 f"{errors[worst]:.3g} C/B (0 allowed, up to rounding: {slack:.1e}). "
                 + ("One example can move the model by more than the clip bound that DP-SGD's noise and the "
                    "accountant's epsilon assume, so the reported epsilon is below the truth. "
                    if sensitivities[worst] > 1 + slack else
-                   "Its own contribution stays within C/B here, but it changes what the others contribute; "
-                   "on other batches or other examples that can exceed the bound. ")
+                   "It stays within C/B on this batch, but the step is not the clipped sum of per-example "
+                   "gradients, so other batches or examples can exceed the bound. ")
                 + self._causes()
             )
 
     def _diagnose(self, optimizer_class, counted) -> str:
         """Tell a coupling between examples from a gradient dpoptim attributes wrongly: run
         the per-example loop through dpoptim itself, one backward() per example."""
+        counted, passes = counted
+        mean, total = sum(self.losses) / self.n, sum(self.losses)
+        found = self.batch_loss
+        if self.reduction == "mean" and _close_values(found, total, self.tol) and not _close_values(found, mean, self.tol):
+            return (f"loss_fn(model, batch) = {found:.6g} is the sum of the examples' own losses, not their mean "
+                    f"({mean:.6g}), but loss_reduction='mean': each example's gradient is taken n times too large. "
+                    "Pass loss_reduction='sum' (to the optimizer and to check), or average the loss.")
+        if self.reduction == "sum" and _close_values(found, mean, self.tol) and not _close_values(found, total, self.tol):
+            return (f"loss_fn(model, batch) = {found:.6g} is the mean of the examples' own losses, not their sum "
+                    f"({total:.6g}), but loss_reduction='sum'. Pass loss_reduction='mean' (to the optimizer and to "
+                    "check), or sum the loss.")
+        decomposes = _close_values(found, mean if self.reduction == "mean" else total, self.tol)
+        if passes is not None and passes > self.backwards:
+            return (
+                f"dpoptim saw {passes} backward passes for {self.backwards} backward() call(s): the model runs "
+                "backward passes of its own, as torch.utils.checkpoint(..., use_reentrant=True) does, and "
+                "each was clipped on its own, so one example can move the update by more than C/B. Use "
+                "use_reentrant=False (in Hugging Face: model.gradient_checkpointing_enable("
+                "gradient_checkpointing_kwargs={'use_reentrant': False}))."
+            )
         if counted is not None and counted != self.n:
             return (
                 f"dpoptim's layer rules found {counted} examples in this batch of {self.n}: inside the model a "
@@ -466,8 +498,12 @@ class _Checker:
         finally:
             _close_optimizer(optimizer)
         if self._error(alone) <= self.tol:
+            how = "" if decomposes else (
+                f" The batch's loss is not made of the examples' own losses either: loss_fn(model, batch) = "
+                f"{found:.6g}, while the {self.reduction} of loss_fn(model, batch[i:i+1]) over the examples is "
+                f"{mean if self.reduction == 'mean' else total:.6g}.")
             return ("With one backward() per example dpoptim agrees with the loop, so the batch itself "
-                    "couples the examples. " + self._causes())
+                    "couples the examples." + how + " " + self._causes())
         return ("dpoptim differs from the loop even with one backward() per example: inside the model a "
                 "layer with parameters sees something other than the examples at dim 0 (a sequence-first "
                 "tensor, tokens flattened into dim 0), a parameter is used where no layer rule sees all of "
@@ -612,6 +648,10 @@ def _norm(tensors) -> torch.Tensor:
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
     a, b = float(a), float(b)
     return abs(a - b) <= tol * max(abs(a), abs(b), 1e-12) or (math.isnan(a) and math.isnan(b))
+
+
+def _close_values(a: float, b: float, tol: float) -> bool:
+    return abs(a - b) <= 10 * tol * max(abs(a), abs(b), 1e-12)
 
 
 def _close_optimizer(optimizer) -> None:

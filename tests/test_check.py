@@ -176,7 +176,7 @@ def test_flags_token_mean_lm_loss():
         return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=0)
 
     result = _check(TinyLM(), _lm_batch(), token_mean)
-    assert_flagged(result, "(2)", "ignore_index")
+    assert_flagged(result, "(2)", "ignore_index", "not made of the examples' own losses")
 
 
 def test_passes_per_example_token_mean():
@@ -263,6 +263,13 @@ def test_flags_random_loss():
             return self.fc(x + torch.randn_like(x))
 
     assert_flagged(_check(Noisy(), _data()), "random")
+
+
+def test_optimizer_arguments_without_a_class_build_dpsgd():
+    result = _check(_mlp(), _data(), momentum=0.9, lr=0.1)
+    assert_clean(result)
+    assert result.optimizer == "DPSGD" and result.optimizer_error <= result.tolerance
+    assert_flagged(_check(_mlp(), _data(), momentun=0.9), "DPSGD", "momentun")  # a typo is not ignored
 
 
 def test_flags_an_optimizer_that_is_not_private():
@@ -377,6 +384,48 @@ def test_passes_with_micro_batches_and_the_users_optimizer():
     assert result.optimizer_error <= result.tolerance
 
 
+class CheckpointedAdapters(nn.Module):
+    """The usual LoRA layout: a frozen embedding and head, trainable layers only inside two
+    checkpointed blocks, none after them."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.emb = nn.Embedding(10, 8).requires_grad_(False)
+        self.b1, self.b2 = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.head = nn.Linear(8, K).requires_grad_(False)
+
+    def forward(self, ids):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.emb(ids).requires_grad_(True)  # as Hugging Face's enable_input_require_grads
+        h = checkpoint(lambda t: torch.tanh(self.b1(t)), h, use_reentrant=self.reentrant)
+        h = checkpoint(lambda t: torch.tanh(self.b2(t)), h, use_reentrant=self.reentrant)
+        return self.head(h.mean(1))
+
+
+def _ids_batch():
+    g = torch.Generator().manual_seed(6)
+    return torch.randint(0, 10, (N, 4), generator=g), torch.randint(0, K, (N,), generator=g)
+
+
+def test_passes_non_reentrant_checkpointing():
+    torch.manual_seed(0)
+    assert_clean(_check(CheckpointedAdapters(reentrant=False), _ids_batch(), max_grad_norm=0.01))
+
+
+def test_reentrant_checkpointing_is_flagged_unless_exact():
+    """Reentrant checkpointing runs one backward pass per block: clipped per block, one
+    example moves the update by sqrt(2) C/B here. dpoptim may make it exact or refuse it;
+    either way the check must tell the truth, and name the fix when it is not exact."""
+    torch.manual_seed(0)
+    result = _check(CheckpointedAdapters(reentrant=True), _ids_batch(), max_grad_norm=0.01)
+    if result.passed:
+        assert result.step_error <= result.tolerance and result.sensitivity <= 1 + 1e-6
+    else:
+        assert_flagged(result, "use_reentrant=False")
+
+
 def test_passes_sum_reduction():
     def summed(m, batch):
         x, y = batch
@@ -392,7 +441,7 @@ def test_sum_loss_declared_as_mean_is_flagged():
         x, y = batch
         return F.cross_entropy(m(x), y, reduction="sum")
 
-    assert_flagged(_check(_mlp(), _data(), summed, max_grad_norm=100.0), "(2)")
+    assert_flagged(_check(_mlp(), _data(), summed, max_grad_norm=100.0), "(2)", "Pass loss_reduction='sum'")
 
 
 def test_float32_fallback_when_the_loss_insists_on_float32():
