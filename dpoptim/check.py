@@ -206,7 +206,7 @@ def check(model: nn.Module, batch, loss_fn, *, max_grad_norm: float = 1.0, loss_
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     checker = _Checker(model, batch, loss_fn, n, max_grad_norm, loss_reduction,
                        None if micro_batch_size is None else int(micro_batch_size), int(removals),
-                       optimizer_class, optimizer_kwargs)
+                       optimizer_class, optimizer_kwargs, devices)
     with torch.random.fork_rng(devices=devices), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         checker.run()
@@ -225,8 +225,9 @@ class _Stop(Exception):
 
 class _Checker:
     def __init__(self, model, batch, loss_fn, n, max_grad_norm, loss_reduction, micro_batch_size, removals,
-                 optimizer_class, optimizer_kwargs):
+                 optimizer_class, optimizer_kwargs, devices):
         self.model, self.batch, self.loss_fn, self.n = model, batch, loss_fn, n
+        self.devices = devices
         self.c, self.reduction, self.micro, self.removals = max_grad_norm, loss_reduction, micro_batch_size, removals
         self.optimizer_class, self.optimizer_kwargs = optimizer_class, optimizer_kwargs
         self.causes_at = None  # the problem that lists the causes of a coupling
@@ -248,7 +249,7 @@ class _Checker:
             self._prepare()
             self._brute_force()
             self._with_dpoptim()
-            if self.optimizer_class is not None:
+            if self.optimizer_class is not None and self.expected is not None:
                 self._with_user_optimizer()
         except _Stop:
             pass
@@ -292,8 +293,8 @@ class _Checker:
             raise _Stop
         if not _close(first.detach(), second.detach(), self.tol):
             self.fail(
-                f"loss_fn(model, batch) is random even with dropout switched off ({float(first):.6g} then "
-                f"{float(second):.6g} on the same batch), so dpoptim cannot be compared with a per-example "
+                f"loss_fn(model, batch) is random even with dropout switched off ({float(first.detach()):.6g} then "
+                f"{float(second.detach()):.6g} on the same batch), so dpoptim cannot be compared with a per-example "
                 "loop. Random augmentation or noise inside the model or the loss? Switch it off for the "
                 "check (a flag of your model), then run the check again."
             )
@@ -303,8 +304,8 @@ class _Checker:
         # Inside fork_rng: the caller's generators are restored afterwards. (Not
         # torch.manual_seed, whose first call imports the compiler stack.)
         torch.default_generator.manual_seed(seed)
-        if torch.cuda.is_initialized():
-            torch.cuda.manual_seed_all(seed)
+        for device in self.devices:  # only the CUDA generators fork_rng restores
+            torch.cuda.default_generators[device].manual_seed(seed)
         loss = self.loss_fn(model, batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -381,10 +382,9 @@ class _Checker:
 
     def _refused(self, exc: Exception, doing: str) -> None:
         text = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, UnsupportedLayerError) and "cannot clip per example" in str(exc):
-            self.fail(f"(1) not every trainable parameter is covered by a layer rule; dpoptim refused {doing}: {text}")
-        elif isinstance(exc, UnsupportedLayerError):
-            self.fail(f"dpoptim refused this model {doing}: {text}")
+        if isinstance(exc, UnsupportedLayerError):
+            self.fail(f"(1) dpoptim cannot clip every trainable parameter of this model per example; it refused "
+                      f"{doing}: {text}")
         else:
             self.fail(f"dpoptim raised an error {doing} (in loss_fn, backward() or step()): {text}")
 
