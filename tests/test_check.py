@@ -13,6 +13,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 from torch import nn
 
@@ -298,6 +300,31 @@ def test_passes_mlp_with_dropout_and_its_numbers_match_the_loop():
     _, norms = clipped_sum(grads, c, params)
     assert result.gradient_norms == pytest.approx(norms, rel=1e-9)
     assert result.sensitivity == pytest.approx(max(min(v, c) for v in norms) / c, rel=1e-6)
+
+
+@settings(max_examples=6)  # each example is a whole check: keep the test near 2 s
+@given(n=st.integers(2, 7), width=st.integers(1, 6), c=st.floats(0.05, 5.0), micro=st.one_of(st.none(), st.integers(1, 4)),
+       reduction=st.sampled_from(["mean", "sum"]), seed=st.integers(0, 2**16))
+def test_sensitivity_is_the_largest_clipped_norm_by_the_oracle(n, width, c, micro, reduction, seed):
+    """Over drawn shapes, clip bounds, micro-batches and reductions: a clean model passes, and
+    the sensitivity check reports is max_i min(||g_i||, C) / C over the removed examples,
+    with g_i from the oracle's own per-example loop."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(D, width), nn.Tanh(), nn.Linear(width, K))
+    x, y = _data(seed, n=n)
+
+    def loss(m, batch):
+        return F.cross_entropy(m(batch[0]), batch[1], reduction=reduction)
+
+    result = dpoptim.check(model, (x, y), loss, max_grad_norm=c, loss_reduction=reduction, micro_batch_size=micro,
+                           removals=n)
+    assert_clean(result)
+    reference = copy.deepcopy(model).double()
+    grads = per_example_gradients(reference, (x.double(),), y, lambda m, v: m(v),
+                                  lambda out, t: F.cross_entropy(out, t, reduction="none"))
+    _, norms = clipped_sum(grads, c, list(reference.parameters()))
+    assert result.gradient_norms == pytest.approx(norms, rel=1e-9, abs=1e-12)
+    assert result.sensitivity == pytest.approx(max(min(v, c) for v in norms) / c, rel=1e-6, abs=1e-9)
 
 
 def test_passes_cnn_with_groupnorm():
