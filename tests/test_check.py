@@ -46,6 +46,15 @@ def assert_flagged(result, *needles):
         assert needle in text, f"{needle!r} not in:\n{result}"
 
 
+def assert_flagged_or_refused(result, *needles):
+    """For layouts dpoptim itself may come to refuse: its error, reported as a failure, is as
+    good as the check's own finding."""
+    assert not result.passed, str(result)
+    refused = [f for f in result.failures if f.startswith(("(1) dpoptim cannot clip", "dpoptim raised an error"))]
+    if not refused:
+        assert_flagged(result, *needles)
+
+
 def assert_clean(result):
     assert result.passed and bool(result) and not result.failures, str(result)
     assert result.step_error <= result.tolerance
@@ -124,8 +133,8 @@ def test_flags_batch_centring():
 def test_flags_functional_batch_norm():
     torch.manual_seed(0)
     result = _check(FunctionalBatchNorm(), _sequences())
-    assert_flagged(result, "(2)", "(3)")
-    assert result.sensitivity > 1
+    assert_flagged_or_refused(result, "(2)", "(3)")
+    assert result.sensitivity is None or result.sensitivity > 1
 
 
 def test_flags_batchnorm_module_in_training():
@@ -208,12 +217,12 @@ def test_flags_class_weighted_cross_entropy():
 
 def test_flags_tokens_flattened_into_batch():
     torch.manual_seed(0)
-    assert_flagged(_check(Flattened(), _sequences()), "(2)", "found 24 examples in this batch of 6")
+    assert_flagged_or_refused(_check(Flattened(), _sequences()), "(2)", "found 24 examples in this batch of 6")
 
 
 def test_flags_sequence_first_linear_layers():
     torch.manual_seed(0)
-    assert_flagged(_check(SequenceFirst(), _sequences(t=3)), "(2)", "found 3 examples in this batch of 6")
+    assert_flagged_or_refused(_check(SequenceFirst(), _sequences(t=3)), "(2)", "found 3 examples in this batch of 6")
 
 
 def test_flags_reordered_rows():
@@ -450,7 +459,7 @@ def test_reentrant_checkpointing_is_flagged_unless_exact():
     if result.passed:
         assert result.step_error <= result.tolerance and result.sensitivity <= 1 + 1e-6
     else:
-        assert_flagged(result, "use_reentrant=False")
+        assert "use_reentrant=False" in "\n".join(result.failures), str(result)
 
 
 def test_passes_sum_reduction():
