@@ -7,6 +7,7 @@ Swap ``torch.optim.SGD`` for :class:`dpoptim.DPSGD` (or :class:`DPAdam`,
 
 from . import data, rules  # noqa: F401  (rules registers the built-in layer rules)
 from .batchnorm import replace_batchnorm
+from .check import CheckResult, check
 from .errors import PrivacyBudgetExceeded, PrivacyWarning, UnsupportedLayerError
 from .optimizer import DPAdam, DPOptimizerMixin, DPRMSProp, DPSGD, PrivacySpent, make_private
 from .registry import Rule, Use, register_rule, registered_rules, rule_for
@@ -29,4 +30,6 @@ __all__ = [
     "registered_rules",
     "rule_for",
     "replace_batchnorm",
+    "check",
+    "CheckResult",
 ]

@@ -43,7 +43,7 @@ from scipy.stats import norm
 from torch import nn
 
 import dpoptim
-from dpoptim.audit import clopper_pearson, epsilon_lower_bound
+from dpoptim.audit import audit_model, clopper_pearson, epsilon_lower_bound, held_out_bound
 
 LONG = os.environ.get("DPOPTIM_LONG_AUDIT") == "1"
 D = 4  # input width; the last coordinate belongs to the canary
@@ -88,26 +88,6 @@ def train_once(seed: int, with_canary: bool, sigma: float, steps: int, sample_ra
     return model.weight[0, -1].item() - w_k, opt
 
 
-# False-positive rates the threshold may aim for, as long as that means at least 5 false
-# positives among the runs that choose it. Trying every observed score instead lets the
-# first half's noise pick thresholds deep in the tail that the second half does not
-# confirm: on Gaussian scores with mu = 1 the grid gives about the same mean bound and a
-# far better worst case.
-FPR_GRID = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
-
-
-def best_threshold(pos: np.ndarray, neg: np.ndarray, delta: float) -> float:
-    """Among thresholds at the FPR_GRID quantiles of ``neg``, the one whose rule "canary
-    present iff score > t" has the highest bound on these scores."""
-    best, best_t = -1.0, math.inf
-    for fpr in [f for f in FPR_GRID if f * len(neg) >= 5]:
-        t = float(np.quantile(neg, 1 - fpr, method="higher"))
-        bound = epsilon_lower_bound(int((pos > t).sum()), len(pos), int((neg > t).sum()), len(neg), delta).epsilon
-        if bound > best:
-            best, best_t = bound, t
-    return best_t
-
-
 def run_trainings(sigma: float, steps: int, trials: int, sample_rate: float = 1.0):
     """``2 * trials`` runs with and ``2 * trials`` without the canary; returns their scores
     and the last run's optimizer, after checking that every run's ledger is the same."""
@@ -124,11 +104,7 @@ def run_trainings(sigma: float, steps: int, trials: int, sample_rate: float = 1.
 
 def audit_bound(pos: np.ndarray, neg: np.ndarray, delta: float):
     """Threshold from the first half of each world's runs, bound from the second half."""
-    half = len(pos) // 2
-    t = best_threshold(pos[:half], neg[:half], delta)
-    held_pos, held_neg = pos[half:], neg[half:]
-    hits = lambda scores: int((scores > t).sum())
-    return epsilon_lower_bound(hits(held_pos), len(held_pos), hits(held_neg), len(held_neg), delta), t
+    return held_out_bound(pos, neg, delta)
 
 
 def analytic_gaussian_epsilon(mu: float, delta: float) -> float:
@@ -274,3 +250,89 @@ def test_audit_poisson_sampling():
         if spent != pytest.approx(reported, rel=1e-9) or not bound.epsilon <= reported:
             problems.append(f"delta={delta}: bound {bound.epsilon:.3f}, accountant {reported:.4f}, privacy_spent {spent:.4f}")
     assert not problems, "\n".join(problems)
+
+
+# ----------------------------------------------------------------- audit_model on a user's model
+# The same mechanism through the public entry point: the user's model factory, data, canary
+# and loss. 100 runs per world (50 held out) keep each test at a few seconds; with perfect
+# separation 50 held-out runs prove at most about 2.57 at delta = 1e-5.
+def _user_setup():
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(N_OTHERS, D, generator=g, dtype=torch.float64)
+    x[:, -1] = 0.0
+    y = torch.randn(N_OTHERS, 1, generator=g, dtype=torch.float64)
+    canary = torch.zeros(1, D, dtype=torch.float64)
+    canary[0, -1] = M
+    target = torch.full((1, 1), CANARY_TARGET, dtype=torch.float64)
+    loss = lambda model, batch: (0.5 * (model(batch[0]) - batch[1]).square().sum(1)).mean()
+    return (lambda: nn.Linear(D, 1).double()), (x, y), (canary, target), loss
+
+
+def test_audit_model_bound_below_accountant_and_control_has_power():
+    make_model, data, canary, loss = _user_setup()
+    audit = audit_model(make_model, data, loss, canary=canary, runs=100, steps=2,
+                        optimizer_kwargs=dict(lr=LR, noise_multiplier=1.0, max_grad_norm=C))
+    print(f"\n{audit}")
+    assert audit.accountant_epsilon == pytest.approx(accountant_epsilon(1.0, 1.0, 2, 1e-5), rel=1e-9)
+    assert audit.control.epsilon > 2.0 and audit.control.tpr == 1.0 and audit.control.fpr == 0.0
+    assert audit.has_power and audit.bound.epsilon <= audit.accountant_epsilon
+    assert audit.passed and bool(audit) and "passed" in str(audit)
+    assert len(audit.scores_in) == len(audit.scores_out) == 100
+
+
+def test_audit_model_catches_an_optimizer_that_understates_its_noise():
+    """A DP optimizer that adds noise sigma = 0.2 but charges sigma = 20: the attack on the
+    user's model must prove more privacy loss than that optimizer's accountant reports."""
+
+    class Understated(dpoptim.DPSGD):
+        def _record(self, sigma, q):
+            super()._record(sigma * 100, q)
+
+    make_model, data, canary, loss = _user_setup()
+    audit = audit_model(make_model, data, loss, canary=canary, runs=100, optimizer_class=Understated,
+                        optimizer_kwargs=dict(lr=LR, noise_multiplier=0.2, max_grad_norm=C), control=False)
+    print(f"\n{audit}")
+    assert audit.accountant_epsilon < 0.2  # what sigma = 20 costs for one step
+    assert audit.bound.epsilon > audit.accountant_epsilon
+    assert not audit.passed and "proves more privacy loss" in str(audit)
+
+
+def test_audit_model_loss_score():
+    """The black-box score, the fall of the canary's loss: without noise it too separates
+    the worlds."""
+    make_model, data, canary, loss = _user_setup()
+    audit = audit_model(make_model, data, loss, canary=canary, runs=100, score="loss",
+                        optimizer_kwargs=dict(lr=LR, noise_multiplier=1.0, max_grad_norm=C))
+    print(f"\n{audit}")
+    assert audit.control.epsilon > 2.0 and audit.passed
+
+
+def test_audit_model_poisson_sampling():
+    """sample_rate < 1: the audit samples the data and the canary itself, and the accountant's
+    epsilon is that of the subsampled mechanism."""
+    make_model, data, canary, loss = _user_setup()
+    audit = audit_model(make_model, data, loss, canary=canary, runs=60, control=False,
+                        optimizer_kwargs=dict(lr=LR, noise_multiplier=2.0, max_grad_norm=C, sample_rate=0.5))
+    assert audit.accountant_epsilon == pytest.approx(accountant_epsilon(2.0, 0.5, 1, 1e-5), rel=1e-9)
+    assert audit.bound.epsilon <= audit.accountant_epsilon and audit.has_power is None
+
+
+def test_audit_model_arguments():
+    make_model, data, canary, loss = _user_setup()
+    kwargs = dict(lr=LR, noise_multiplier=1.0, max_grad_norm=C)
+    with pytest.raises(ValueError, match="one example"):
+        audit_model(make_model, data, loss, canary=data, optimizer_kwargs=kwargs)
+    with pytest.raises(ValueError, match="runs"):
+        audit_model(make_model, data, loss, canary=canary, optimizer_kwargs=kwargs, runs=2)
+    with pytest.raises(ValueError, match="score"):
+        audit_model(make_model, data, loss, canary=canary, optimizer_kwargs=kwargs, score="auc")
+    zero = (torch.zeros(1, D, dtype=torch.float64), torch.zeros(1, 1, dtype=torch.float64))
+    flat = lambda: nn.Linear(D, 1, bias=False).double().requires_grad_(True)
+
+    def zero_init():
+        model = flat()
+        torch.nn.init.zeros_(model.weight)
+        return model
+
+    with pytest.raises(ValueError, match="canary's gradient"):
+        audit_model(zero_init, data, loss, canary=zero, optimizer_kwargs=kwargs)
