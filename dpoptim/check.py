@@ -467,11 +467,10 @@ class _Checker:
         decomposes = _close_values(found, mean if self.reduction == "mean" else total, self.tol)
         if passes is not None and passes > self.backwards:
             return (
-                f"dpoptim saw {passes} backward passes for {self.backwards} backward() call(s): the model runs "
-                "backward passes of its own, as torch.utils.checkpoint(..., use_reentrant=True) does, and "
-                "each was clipped on its own, so one example can move the update by more than C/B. Use "
-                "use_reentrant=False (in Hugging Face: model.gradient_checkpointing_enable("
-                "gradient_checkpointing_kwargs={'use_reentrant': False}))."
+                f"dpoptim saw {passes} backward passes for {self.backwards} backward() call(s): the model or "
+                "the loss runs backward passes of its own (a backward() inside forward or inside an autograd "
+                "function) and each was clipped on its own, so one example can move the update by more than "
+                "C/B. Compute the loss with one backward() per batch."
             )
         if counted is not None and counted != self.n:
             return (
