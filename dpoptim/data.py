@@ -24,8 +24,7 @@ import math
 from collections.abc import Mapping
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, Sampler
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import DataLoader, IterableDataset, Sampler, default_collate
 
 from . import distributed
 from .privatize import fresh_generator
