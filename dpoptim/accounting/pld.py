@@ -247,8 +247,32 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int, lower: boo
     tail = _TAIL_FRACTION * delta
     grid = _rdp_grid(steps, tail, delta, n)
     grid = _narrow_grid(steps, grid, tail, delta) or grid
-    invert = _direction_lower if lower else _direction_epsilon
-    return {direction: invert(steps, direction, grid, deltas[direction]) for direction in (_REMOVE, _ADD)}
+    if not lower:
+        return {direction: _direction_epsilon(steps, direction, grid, deltas[direction]) for direction in (_REMOVE, _ADD)}
+    return {direction: _direction_lower(steps, direction, _lower_grid(steps, direction, grid), deltas[direction])
+            for direction in (_REMOVE, _ADD)}
+
+
+def _lower_grid(steps, direction, grid: _Grid) -> _Grid:
+    """The window moved down to hold the composed optimistic distribution's lowest point.
+
+    Rounding every loss down moves the bulk of the composed loss below the window chosen
+    for the upper bound (by up to ``count * spacing``), where it would wrap around to the
+    top. Moving the window down (by at most half its width) keeps it inside; the top of
+    each step is clipped to the new window (mass above it is rounded down to the top,
+    still optimistic).
+    """
+    lowest = 0
+    for (sigma, q, count), top in zip(steps, grid.tops[direction]):
+        first, _, _ = _step_distribution(sigma, q, direction, grid.spacing, grid.i_low, top, True)
+        lowest += count * first
+    i_low = min(grid.i_low, max(lowest, grid.i_low - grid.n // 2))
+    if i_low == grid.i_low:
+        return grid
+    i_top = i_low + grid.n - 1
+    tops = dict(grid.tops)
+    tops[direction] = tuple(min(top, i_top) for top in grid.tops[direction])
+    return dataclasses.replace(grid, i_low=i_low, tops=tops)
 
 
 def _fft_size(grid_points: int) -> int:
@@ -671,7 +695,7 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
     unit = float(np.finfo(dtype).eps) / 2
     noise = _rounding_allowance(n, total_steps, np.exp(log_weight), np.abs(spectrum).astype(np.float64), unit)
     if lower:
-        # Composed mass below the window wraps to its top, where it would raise delta:
+        # Composed mass below the window (at most (i_low - 1) h on the lattice) wraps to its top, where it would raise delta:
         # subtract a Chernoff bound on it, from the exact moment generating function of
         # the (optimistic) grid distributions composed. Mass above the window wraps to
         # low losses, which can only lower delta: harmless for a lower bound.
@@ -680,7 +704,7 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
         for (sigma, q, count), top in zip(steps, grid.tops[direction]):
             first, masses, _ = _step_distribution(sigma, q, direction, spacing, grid.i_low, top, True)
             log_down = log_down + count * _log_mgf(first, masses, spacing, -lambdas)
-        below = math.exp(min(float((log_down + lambdas * grid.i_low * spacing).min()), 0.0))
+        below = math.exp(min(float((log_down + lambdas * (grid.i_low - 1) * spacing).min()), 0.0))
         return _invert_profile(tilted, log_untilt, losses, -below, noise, delta, lower=True)
     constant = -math.expm1(log_finite) + grid.tail
     return _invert_profile(tilted, log_untilt, losses, constant, noise, delta)
