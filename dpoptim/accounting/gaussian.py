@@ -33,6 +33,7 @@ __all__ = [
     "ledger_mixture_epsilon",
     "mixture_delta",
     "mixture_epsilon",
+    "mixture_delta_lower_bound",
     "mixture_epsilon_lower_bound",
 ]
 
@@ -264,6 +265,29 @@ def mixture_epsilon_lower_bound(sigma: float, q: float, steps: int, delta: float
         return 0.0
     if sigma == 0.0:
         return math.inf
+    profile = _lower_profile(sigma, q, steps)
+    if profile(0.0) <= delta:
+        return 0.0
+    low, high = 0.0, 1.0
+    while profile(high) > delta:
+        low, high = high, 2.0 * high
+    for _ in range(200):
+        if high - low <= 1e-10 * high:
+            break
+        mid = 0.5 * (low + high)
+        if profile(mid) > delta:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def mixture_delta_lower_bound(epsilon: float, sigma: float, q: float, steps: int) -> float:
+    """The lower bound on delta(epsilon) of :func:`mixture_epsilon_lower_bound`."""
+    return _lower_profile(sigma, q, steps)(float(epsilon))
+
+
+def _lower_profile(sigma: float, q: float, steps: int):
     dist = binom(steps, q)
     mean, std = steps * q, math.sqrt(steps * q * (1.0 - q))
     k = np.arange(max(0, int(mean - 60 * std) - 1), min(steps, int(mean + 60 * std) + 60) + 1)
@@ -282,17 +306,4 @@ def mixture_epsilon_lower_bound(sigma: float, q: float, steps: int, delta: float
         values = np.where(np.isfinite(values), np.maximum(values, 0.0), 0.0)
         return float(values @ weights) * (1.0 - 1e-9)
 
-    if profile(0.0) <= delta:
-        return 0.0
-    low, high = 0.0, max(1.0, float(mu.max()) ** 2)
-    while profile(high) > delta:
-        low, high = high, 2.0 * high
-    for _ in range(200):
-        if high - low <= 1e-10 * high:
-            break
-        mid = 0.5 * (low + high)
-        if profile(mid) > delta:
-            low = mid
-        else:
-            high = mid
-    return low
+    return profile

@@ -98,7 +98,13 @@ import numpy as np
 import scipy.fft
 from scipy.special import log_ndtr, ndtri
 
-from .gaussian import gaussian_epsilon, gaussian_mu, ledger_mixture_epsilon
+from .gaussian import (
+    gaussian_epsilon,
+    gaussian_mu,
+    ledger_mixture_epsilon,
+    mixture_delta_lower_bound,
+    mixture_epsilon,
+)
 from .ledger import Accountant, Ledger, check_count, check_delta, coarsen_runs
 from .rdp import DEFAULT_ORDERS, epsilon_from_rdp, ledger_rdp, rdp_subsampled_gaussian
 
@@ -192,6 +198,13 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int, lower: bool = Fals
     if lower:
         deltas[_REMOVE] = (delta - p0) / (1.0 - p0) if p0 > 0 else delta
         shift = -math.log1p(-p0)
+    if not lower and not blind and len(noisy) == 1 and noisy[0].sample_rate < 1.0:
+        # Tiny sigma: the Gaussian mixture bound is certified within 0.1% of the exact
+        # epsilon by its own lower bound, and no PLD grid can do noticeably better.
+        sigma, q, count = noisy[0]
+        mixture = mixture_epsilon(sigma, q, count, delta)
+        if 0.0 < mixture < math.inf and mixture_delta_lower_bound(mixture / 1.001, sigma, q, count) > delta:
+            return mixture
     full_batch = [run for run in noisy if run.sample_rate == 1.0]
     subsampled = [run for run in noisy if run.sample_rate < 1.0]
     mu = gaussian_mu(full_batch)
@@ -254,19 +267,17 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int, lower: boo
 
 
 def _lower_grid(steps, direction, grid: _Grid) -> _Grid:
-    """The window moved down to hold the composed optimistic distribution's lowest point.
+    """The window moved down by the most that rounding down can shift the composed loss.
 
-    Rounding every loss down moves the bulk of the composed loss below the window chosen
-    for the upper bound (by up to ``count * spacing``), where it would wrap around to the
-    top. Moving the window down (by at most half its width) keeps it inside; the top of
-    each step is clipped to the new window (mass above it is rounded down to the top,
-    still optimistic).
+    Rounding each step's loss down moves it by less than one bin, so the composed loss
+    moves down by less than ``steps`` bins, and without a wider window the mass that the
+    upper window kept just above its bottom could wrap around to its top. The window is
+    moved down by that many bins (at most half its width); the top of each step is
+    clipped to the new window (mass above it is rounded down to the top, still
+    optimistic). Whatever still falls below is bounded and subtracted.
     """
-    lowest = 0
-    for (sigma, q, count), top in zip(steps, grid.tops[direction]):
-        first, _, _ = _step_distribution(sigma, q, direction, grid.spacing, grid.i_low, top, True)
-        lowest += count * first
-    i_low = min(grid.i_low, max(lowest, grid.i_low - grid.n // 2))
+    total = sum(count for _, _, count in steps)
+    i_low = grid.i_low - min(total + 1, grid.n // 2)
     if i_low == grid.i_low:
         return grid
     i_top = i_low + grid.n - 1
@@ -816,7 +827,9 @@ def _invert_profile(tilted, log_untilt, losses, constant, noise, delta, lower: b
     elif excess <= 0.0:
         epsilon = losses[k - 1]
     else:
-        epsilon = losses[k - 1] + math.log(excess / weighted[k - 1])
+        with np.errstate(over="ignore"):
+            ratio = float(excess / weighted[k - 1])
+        epsilon = losses[k - 1] + math.log(ratio) if ratio < math.inf else losses[k]
     binding = not allowance[k - 1] <= delta / 100.0
     return max(float(min(max(epsilon, losses[k - 1]), losses[k])), 0.0), binding
 
