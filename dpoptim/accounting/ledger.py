@@ -19,6 +19,7 @@ it, so an error always says which argument was wrong and what it was.
 from __future__ import annotations
 
 import abc
+import heapq
 import math
 import numbers
 from collections.abc import Iterable
@@ -261,9 +262,8 @@ def _step_cost(sigma: float, q: float) -> float:
 
 
 def _merge_groups(items: list, max_distinct: int) -> list[list]:
-    """Greedy agglomeration of neighbours in ``items`` (``((sigma, q), count)``, ordered)."""
-    import heapq
-
+    """Greedy agglomeration of neighbours in ``items`` (``((sigma, q), count)``, ordered):
+    a heap of neighbour merges by cost, stale entries skipped by version numbers."""
     n = len(items)
     members = [[item] for item in items]
     counts = [item[1] for item in items]

@@ -67,21 +67,22 @@ on what it stands for:
    part of :math:`\delta` (tiny ``q`` with tiny :math:`\delta`, whose heavy loss tail
    forbids a strong tilt), the composition is redone in extended precision.
 
-How far above the exact epsilon the answer lies is set by the grid spacing ``h``, which
-is as fine as ``grid_points`` allows for the window. Connect-the-dots keeps each bin's
-:math:`P`- and :math:`Q`-mass, so composing only spreads the loss by the within-bin
-variance (at most :math:`h^2/4` per step, usually far less), and the reserved
-``delta / 65536`` moves epsilon by about a ten-thousandth. With the default ``2**18``
-points the excess measured against much finer grids and an independent connect-the-dots
-implementation is typically below 0.1% from 1 to 10^6 steps, ``q`` from 1e-6 to 1 and
-:math:`\delta` from 1e-5 to 1e-10, and up to about 0.8% in the hardest case found (q =
-1e-6 with :math:`\delta` = 1e-10 and sigma near 0.7, where one rare step decides epsilon);
-the tests check 1% against exact references. No a-priori bound that tight is claimed.
-Where the PLD cannot certify a value (a floating-point allowance larger than ``delta``
-even in extended precision, as after ~10^10 steps) it falls back to the RDP bound, and it
-never reports more than the RDP bound, which is also sound. Ledgers with more than 64
-distinct ``(sigma, q)`` pairs are coarsened pessimistically first
-(:func:`~dpoptim.accounting.ledger.coarsen_runs`).
+How far above the exact epsilon the answer lies is set by the grid spacing ``h``.
+Connect-the-dots keeps each bin's :math:`P`- and :math:`Q`-mass, so composing only
+spreads the loss by the within-bin variance (at most :math:`h^2/4` per step), and the
+reserved ``delta / 65536`` moves epsilon by about a ten-thousandth. The window, hence
+``h``, grows like :math:`\sqrt T`, so that spread grows like ``T`` relative to the
+loss's own variance; the grid is refined (up to 4 times ``grid_points``) until it is at
+most 0.2% (:func:`_spread_share`), which keeps 10^8 steps within about 0.5%. No
+a-priori bound that tight is claimed: the tests and ``benchmarks/bench_accounting.py``
+bracket the answer with :func:`pld_epsilon_lower_bound`, the same composition with every
+loss rounded *down* (Koskela, Jälkö & Honkela 2020), which is a rigorous lower bound.
+
+The reported epsilon is the smallest of this PLD value, the RDP bound and the
+Gaussian-mixture bound of :mod:`.gaussian` (tight for tiny sigma), all sound. Ledgers with
+more than 64 distinct ``(sigma, q)`` pairs are grouped pessimistically first, by cost
+(:func:`~dpoptim.accounting.ledger.coarsen_runs`). Noiseless steps are exact (see
+:func:`_pld_epsilon`).
 
 Full-batch runs (``q = 1``) are exact Gaussian mechanisms: a ledger of only such runs
 goes to the analytic Gaussian mechanism (:mod:`.gaussian`), and in a mixed ledger they
@@ -255,11 +256,15 @@ class _Grid:
 
 def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int, lower: bool = False) -> dict:
     """Epsilon of each direction, each at its own delta, on one grid."""
-    n = _fft_size(grid_points)
+    base = n = _fft_size(grid_points)
     delta = min(deltas.values())
     tail = _TAIL_FRACTION * delta
-    grid = _rdp_grid(steps, tail, delta, n)
-    grid = _narrow_grid(steps, grid, tail, delta) or grid
+    while True:
+        grid = _rdp_grid(steps, tail, delta, n)
+        grid = _narrow_grid(steps, grid, tail, delta) or grid
+        if n >= _MAX_REFINE * base or _spread_share(steps, grid.spacing) <= _SPREAD_SHARE:
+            break
+        n *= 2
     if not lower:
         return {direction: _direction_epsilon(steps, direction, grid, deltas[direction]) for direction in (_REMOVE, _ADD)}
     return {direction: _direction_lower(steps, direction, _lower_grid(steps, direction, grid), deltas[direction])
@@ -284,6 +289,29 @@ def _lower_grid(steps, direction, grid: _Grid) -> _Grid:
     tops = dict(grid.tops)
     tops[direction] = tuple(min(top, i_top) for top in grid.tops[direction])
     return dataclasses.replace(grid, i_low=i_low, tops=tops)
+
+
+#: Long runs: the grid is refined (up to _MAX_REFINE times the points asked for) until
+#: connect-the-dots adds at most this share to the variance of the composed loss.
+_SPREAD_SHARE = 2e-3
+_MAX_REFINE = 4
+
+
+def _spread_share(steps: tuple, spacing: float) -> float:
+    r"""Upper estimate of the variance connect-the-dots adds, relative to the loss's own.
+
+    Splitting a bin's mass between its end points adds at most :math:`h^2/4` of variance
+    per step (Doroshenko et al. 2022), so a run of ``T`` steps gains up to
+    :math:`T h^2 / 4` against its variance :math:`T v`. The window, hence ``h``, grows
+    like :math:`\sqrt T`, so the share grows like ``T``: after 10^8 steps at the default
+    grid it is about 15% and epsilon several percent too high. This only steers the grid
+    size; soundness never depends on it.
+    """
+    total = sum(count for _, _, count in steps)
+    variance = sum(count * _loss_moments(sigma, q, _REMOVE, math.inf)[1] for sigma, q, count in steps)
+    if not variance > 0:
+        return 0.0
+    return total * spacing * spacing / 4.0 / variance
 
 
 def _fft_size(grid_points: int) -> int:
