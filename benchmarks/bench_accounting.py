@@ -86,10 +86,40 @@ def _lower_bound(ledger, delta):
     return max(mixture, pld_epsilon_lower_bound(ledger, delta, grid_points=2**20))
 
 
+_PEER_MEMORY = 6 * 2**30  # bytes of address space a peer may use
+_PEER_SECONDS = 300
+
+
 def _peers(ledger, delta) -> dict:
-    out = {}
+    """Each peer in a child process with a memory and time limit: at 10^8 steps a PRV or
+    PLD peer can take tens of GB, and a peer failing is a result, not a crash."""
     if len(ledger) > 200:  # both compose one event per run: minutes for 10^4 runs
         return {"peers": ("not run: one composition per run", math.nan)}
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_peers_child, args=(ledger, delta, queue))
+    child.start()
+    child.join(_PEER_SECONDS)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        return {"peers": (f"not run: over {_PEER_SECONDS} s", math.nan)}
+    if queue.empty():
+        return {"peers": (f"failed: exit {child.exitcode} (memory limit {_PEER_MEMORY / 2**30:g} GiB?)", math.nan)}
+    return queue.get()
+
+
+def _peers_child(ledger, delta, queue) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (_PEER_MEMORY, _PEER_MEMORY))
+    queue.put(_peer_values(ledger, delta))
+
+
+def _peer_values(ledger, delta) -> dict:
+    out = {}
     try:
         import dp_accounting
 

@@ -82,7 +82,7 @@ def epsilon_of_ledger(runs, delta, accountant: str = "pld") -> float:
     delta = check_delta(delta)
     ledger = Ledger(runs)
     if name == "pld":
-        return pld_epsilon(ledger.runs, delta)
+        return pld_epsilon(ledger, delta)
     return RDPAccountant.from_ledger(ledger).get_epsilon(delta)
 
 

@@ -19,6 +19,7 @@ it, so an error always says which argument was wrong and what it was.
 from __future__ import annotations
 
 import abc
+import functools
 import heapq
 import math
 import numbers
@@ -131,10 +132,20 @@ class Ledger:
     __slots__ = ("_runs",)
 
     def __init__(self, runs: Iterable = ()):
+        if isinstance(runs, Ledger):  # already validated and merged
+            self._runs = runs._runs
+            return
         merged: list[Run] = []
         for item in runs:
             _append(merged, Run.checked(*_unpack(item)))
         self._runs = tuple(merged)
+
+    @classmethod
+    def _trusted(cls, runs: tuple) -> Ledger:
+        """A ledger of runs taken from validated ledgers, without checking them again."""
+        result = cls.__new__(cls)
+        result._runs = tuple(runs)
+        return result
 
     @property
     def runs(self) -> tuple[Run, ...]:
@@ -229,6 +240,12 @@ def coarsen_runs(runs, max_distinct: int | None = None, *, optimistic: bool = Fa
     benchmarks (never for reporting).
     """
     max_distinct = MAX_DISTINCT_RUNS if max_distinct is None else max_distinct
+    key = tuple((float(sigma), float(q), int(count)) for sigma, q, count in runs)
+    return list(_coarsen(key, max_distinct, optimistic))
+
+
+@functools.lru_cache(maxsize=64)
+def _coarsen(runs: tuple, max_distinct: int, optimistic: bool) -> tuple:
     merged: dict[tuple[float, float], int] = {}
     for sigma, q, count in runs:
         if count:
@@ -241,7 +258,7 @@ def coarsen_runs(runs, max_distinct: int | None = None, *, optimistic: bool = Fa
         key=lambda item: (item[0][1], item[0][0]),
     )
     if len(items) <= 1:
-        return out + [(sigma, q, count) for (sigma, q), count in items]
+        return tuple(out + [(sigma, q, count) for (sigma, q), count in items])
     groups = _merge_groups(items, max(1, max_distinct - len(out)))
     for members in groups:
         sigmas = [sigma for (sigma, _), _ in members]
@@ -251,7 +268,7 @@ def coarsen_runs(runs, max_distinct: int | None = None, *, optimistic: bool = Fa
             out.append((max(sigmas), min(rates), count))
         else:
             out.append((min(sigmas), max(rates), count))
-    return out
+    return tuple(out)
 
 
 def _step_cost(sigma: float, q: float) -> float:

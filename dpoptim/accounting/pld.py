@@ -222,7 +222,7 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int, lower: bool = Fals
     if lower:
         return pld
     rest_delta = (delta - p0) * (1.0 - 1e-12)
-    rdp_epsilon, _ = epsilon_from_rdp(ledger_rdp(noisy), DEFAULT_ORDERS, rest_delta)
+    rdp_epsilon, _ = epsilon_from_rdp(ledger_rdp(Ledger._trusted(noisy)), DEFAULT_ORDERS, rest_delta)
     return min(pld, rdp_epsilon, ledger_mixture_epsilon(noisy, rest_delta))
 
 
