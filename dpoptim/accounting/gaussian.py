@@ -128,8 +128,9 @@ def mixture_delta(epsilon: float, sigma: float, q: float, steps: int) -> float:
     ``1 / (2 sigma^2)``); for q = 1 it *is* exact. Evaluation is an upper bound too: the
     counts are binned geometrically (relative width 2^-12) and each bin takes the value
     at its largest count (:math:`\delta_G` grows with the count), the mass below the first
-    bin joins the first, the mass beyond the last counts in full, and the sum is rounded
-    up.
+    bin joins the first, the mass beyond the last counts in full, bin masses come from
+    the survival function in the upper tail (no cancellation) and are rounded up, and the
+    sum is rounded up.
     """
     return _mixture_deltas(np.asarray([float(epsilon)]), sigma, q, steps)[0]
 
@@ -156,8 +157,16 @@ def _mixture_bins(sigma: float, q: float, steps: int, tail: float):
     # deviations below the mean their mass is far below anything that matters.
     bottom = max(int(mean - 40.0 * std), 0)
     edges = _count_lattice(bottom, top)  # bin j holds counts edges[j] .. edges[j+1] - 1
-    cdf = dist.cdf(edges[1:] - 1)
-    masses = np.diff(np.concatenate([[0.0], cdf]))  # the first bin takes all counts below it
+    # Bin masses as differences of the distribution function below the mean and of the
+    # survival function above it, so that no tail mass is lost to cancellation near 1;
+    # each is rounded up by 1e-13 of the larger term it came from (scipy's incomplete
+    # beta is accurate to about 1e-14 relative, the subtraction to 2^-52).
+    cdf = dist.cdf(edges - 1)
+    sf = dist.sf(edges - 1)
+    from_cdf = np.diff(cdf) + 1e-13 * cdf[1:]
+    from_cdf[0] = cdf[1] * (1.0 + 1e-13)  # the first bin takes all counts below it
+    from_sf = sf[:-1] - sf[1:] + 1e-13 * sf[:-1]
+    masses = np.where(edges[:-1] > mean, from_sf, from_cdf)
     mu = np.sqrt((edges[1:] - 1).astype(float)) / sigma
     return mu, np.maximum(masses, 0.0), beyond
 
