@@ -172,11 +172,18 @@ def _solve(eps_of, target: float, start: float, close: bool = False) -> float:
             )
     if f(high) >= floor:
         return high
-    low = high * (0.95 if close else 0.25)
+    # Step down to an infeasible point. Epsilon grows about like sigma^-2, so aim there,
+    # but never more than a factor 0.97 or less than 0.3 (0.25 without a close start).
+    def step_down(sigma: float) -> float:
+        ratio = max(f(sigma), 1e-300) / target
+        factor = min(max(math.sqrt(ratio), 0.3 if close else 0.25), 0.97 if close else 0.5)
+        return sigma * factor
+
+    low = step_down(high)
     while f(low) <= target:
         if f(low) >= floor:
             return low
-        high, low = low, low * (0.8 if close else 0.25)
+        high, low = low, step_down(low)
         if low < 1e-9:
             return high
     # Illinois regula falsi on g(x) = log eps(e^x) - log aim, decreasing in x, aimed at
