@@ -172,18 +172,23 @@ def _solve(eps_of, target: float, start: float, close: bool = False) -> float:
             )
     if f(high) >= floor:
         return high
-    # Step down to an infeasible point. Epsilon grows about like sigma^-2, so aim there,
-    # but never more than a factor 0.97 or less than 0.3 (0.25 without a close start).
-    def step_down(sigma: float) -> float:
-        ratio = max(f(sigma), 1e-300) / target
-        factor = min(max(math.sqrt(ratio), 0.3 if close else 0.25), 0.97 if close else 0.5)
-        return sigma * factor
+    # Step down to an infeasible point, aiming at the target along a power law: epsilon
+    # ~ sigma^-k with k from the last two feasible points (2 before there are two), each
+    # step a factor between 0.5 and 0.97 (0.25 and 0.5 without a close start).
+    def step_down(sigma: float, previous: float | None) -> float:
+        value = max(f(sigma), 1e-300)
+        k = 2.0
+        if previous is not None and f(previous) > 0 and previous != sigma:
+            k = min(max(math.log(value / f(previous)) / math.log(previous / sigma), 1.0), 50.0)
+        factor = (value / target) ** (1.0 / k)
+        return sigma * min(max(factor, 0.5 if close else 0.25), 0.97 if close else 0.5)
 
-    low = step_down(high)
+    low, previous = step_down(high, None), None
     while f(low) <= target:
         if f(low) >= floor:
             return low
-        high, low = low, step_down(low)
+        previous, high = high, low
+        low = step_down(high, previous)
         if low < 1e-9:
             return high
     # Illinois regula falsi on g(x) = log eps(e^x) - log aim, decreasing in x, aimed at
