@@ -1,22 +1,29 @@
-"""Timing of the privacy accountants against their speed targets (not a test).
+"""Accounting: time and tightness against speed targets and peers (not a test).
 
-    python -m benchmarks.bench_accounting            # the table
-    python -m benchmarks.bench_accounting --repeat 9 # more repetitions per row
+    python -m benchmarks.bench_accounting              # timings and epsilons
+    python -m benchmarks.bench_accounting --bracket    # also rigorous lower bounds (slow)
+    python -m benchmarks.bench_accounting --repeat 5   # more repetitions per timed row
 
-Every repetition uses a noise multiplier not seen before (a tiny offset), so nothing is
-served from the accountants' caches unless the row says "cached". Wall and CPU time are
+Timed rows use a noise multiplier no cache has seen (a tiny offset). Wall and CPU time are
 both shown: on a busy machine the wall time of a single-threaded computation grows with
-the load while its CPU time does not.
+the load while its CPU time does not. ``--bracket`` adds an independent rigorous lower
+bound to each epsilon row (the optimistic PLD, or the shifted Gaussian mixture for tiny
+sigma, or the analytic Gaussian for q = 1) and the gap to it: the exact epsilon lies in
+``[lower, reported]``. Google's ``dp_accounting`` (PLD, and RDP) and Opacus' PRV
+accountant are shown beside dpoptim when installed; neither is required.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import statistics
 import time
 
-from dpoptim.accounting import calibrate_noise, epsilon, epsilon_of_ledger, max_steps
+from dpoptim.accounting import calibrate_noise, epsilon_of_ledger
+from dpoptim.accounting.gaussian import mixture_epsilon_lower_bound
+from dpoptim.accounting.pld import pld_epsilon_lower_bound
 
 _offsets = itertools.count(1)
 
@@ -26,49 +33,179 @@ def _fresh(sigma: float) -> float:
     return sigma * (1.0 + 1e-9 * next(_offsets))
 
 
-def _time(call, repeat: int) -> tuple[float, float]:
-    walls, cpus = [], []
+def _time(call, repeat: int):
+    walls, cpus, value = [], [], None
     for _ in range(repeat):
         wall, cpu = time.perf_counter(), time.process_time()
-        call()
+        value = call()
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
-    return statistics.median(walls), statistics.median(cpus)
+    return value, statistics.median(walls), statistics.median(cpus)
 
 
-def _rows():
-    """(label, call, target seconds or None)."""
-    schedule = [(1.0 + 0.05 * i, 0.004, 10_000) for i in range(10)]
+def schedule_ledger(runs: int = 10_000) -> list:
+    """A per-step style schedule: sigma from 0.8 to 2.0 and q from 0.002 to 0.02 over
+    ``runs`` runs of 100 steps (10^6 steps in all)."""
+    return [(0.8 + 1.2 * i / (runs - 1), 0.002 * 10 ** (i / (runs - 1)), 100) for i in range(runs)]
+
+
+def _ledgers():
+    """(label, ledger, delta, target seconds or None)."""
     return [
-        ("PLD epsilon, 100,000 steps", lambda: epsilon(_fresh(1.1), 0.004, 100_000, 1e-5), 0.5),
-        ("PLD epsilon, 1,000,000 steps", lambda: epsilon(_fresh(1.1), 0.004, 10**6, 1e-5), None),
-        ("PLD epsilon, 100,000 steps, delta 1e-10", lambda: epsilon(_fresh(1.1), 0.004, 100_000, 1e-10), None),
-        ("PLD epsilon, q = 1e-6", lambda: epsilon(_fresh(1.0), 1e-6, 100_000, 1e-5), None),
-        ("PLD epsilon, 10-run schedule", lambda: epsilon_of_ledger(
-            [(_fresh(s), q, c) for s, q, c in schedule], 1e-5), None),
-        ("PLD calibration (eps 3, q 0.01, 10,000 steps)",
-         lambda: calibrate_noise(_fresh(3.0), 1e-5, 0.01, 10_000), 3.0),
-        ("PLD max_steps (budget 3, q 0.01)", lambda: max_steps(_fresh(1.0), 0.01, 1e-5, 3.0), None),
-        ("RDP epsilon, 100,000 steps", lambda: epsilon(_fresh(1.1), 0.004, 100_000, 1e-5, "rdp"), 0.02),
-        ("RDP epsilon, 100,000 steps, cached", lambda: epsilon(1.1, 0.004, 100_000, 1e-5, "rdp"), None),
-        ("RDP calibration", lambda: calibrate_noise(_fresh(3.0), 1e-5, 0.01, 10_000, "rdp"), None),
+        ("10^4-run schedule, delta 1e-5", schedule_ledger(), 1e-5, 0.5),
+        ("T = 10^8 (sigma 1, q 1e-3)", [(1.0, 1e-3, 10**8)], 1e-5, 0.5),
+        ("T = 10^7 (sigma 1, q 1e-3)", [(1.0, 1e-3, 10**7)], 1e-5, None),
+        ("T = 5x10^6 (sigma 1, q 1e-3)", [(1.0, 1e-3, 5 * 10**6)], 1e-5, None),
+        ("100-run sigma schedule (1..1.99, q 0.01)", [(1.0 + 0.01 * i, 0.01, 100) for i in range(100)], 1e-5, None),
+        ("80-run q schedule (sigma 1), delta 1e-9", [(1.0, 0.001 * 1.05**i, 100) for i in range(80)], 1e-9, None),
+        ("sigma 1.1, q 0.004, 10^4 steps", [(1.1, 0.004, 10_000)], 1e-5, None),
+        ("sigma 0.0049, q 0.01, 1000 steps", [(0.0049, 0.01, 1000)], 1e-5, None),
+        ("sigma 0.0051, q 0.01, 1000 steps", [(0.0051, 0.01, 1000)], 1e-5, None),
+        ("sigma 0.02, q 1e-6, 10^8 steps, delta 1e-12", [(0.02, 1e-6, 10**8)], 1e-12, None),
+        ("sigma 0 then sigma 1, q 1e-7 then 0.01", [(0.0, 1e-7, 30), (1.0, 0.01, 1000)], 1e-5, None),
+        ("sigma 0, q 1e-6 < delta, 10 steps", [(0.0, 1e-6, 10)], 1e-5, None),
     ]
+
+
+def _lower_bound(ledger, delta):
+    """A rigorous lower bound, or None where none within reach is known.
+
+    Rounding every loss down costs up to one grid step per step, so the optimistic PLD is
+    only informative for up to about 10^4 steps; beyond, only the mixture bound (tiny
+    sigma) gives a lower side.
+    """
+    noisy = [run for run in ledger if run[0] > 0]
+    mixture = 0.0
+    if len(noisy) == len(ledger) == 1:
+        sigma, q, steps = ledger[0]
+        mixture = mixture_epsilon_lower_bound(sigma, q, steps, delta)
+        if sigma < 0.1 or q == 1.0:
+            return mixture
+    if sum(run[2] for run in noisy) > 20_000:
+        return mixture or None
+    return max(mixture, pld_epsilon_lower_bound(ledger, delta, grid_points=2**20))
+
+
+_PEER_MEMORY = 6 * 2**30  # bytes of address space a peer may use
+_PEER_SECONDS = 300
+
+
+def _peers(ledger, delta) -> dict:
+    """Each peer in a child process with a memory and time limit: at 10^8 steps a PRV or
+    PLD peer can take tens of GB, and a peer failing is a result, not a crash."""
+    if len(ledger) > 200:  # both compose one event per run: minutes for 10^4 runs
+        return {"peers": ("not run: one composition per run", math.nan)}
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_peers_child, args=(ledger, delta, queue))
+    child.start()
+    child.join(_PEER_SECONDS)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        return {"peers": (f"not run: over {_PEER_SECONDS} s", math.nan)}
+    if queue.empty():
+        return {"peers": (f"failed: exit {child.exitcode} (memory limit {_PEER_MEMORY / 2**30:g} GiB?)", math.nan)}
+    return queue.get()
+
+
+def _peers_child(ledger, delta, queue) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (_PEER_MEMORY, _PEER_MEMORY))
+    queue.put(_peer_values(ledger, delta))
+
+
+def _peer_values(ledger, delta) -> dict:
+    out = {}
+    try:
+        import dp_accounting
+
+        def event():
+            parts = [
+                dp_accounting.SelfComposedDpEvent(
+                    dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), count)
+                for sigma, q, count in ledger
+            ]
+            return dp_accounting.ComposedDpEvent(parts)
+
+        start = time.process_time()
+        pld = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3)
+        pld.compose(event())
+        out["dp_accounting PLD"] = (pld.get_epsilon(delta), time.process_time() - start)
+        start = time.process_time()
+        rdp = dp_accounting.rdp.RdpAccountant()
+        rdp.compose(event())
+        out["dp_accounting RDP"] = (rdp.get_epsilon(delta), time.process_time() - start)
+    except ImportError:
+        pass
+    except Exception as error:  # a peer failing is a result, not a crash
+        out["dp_accounting"] = (f"failed: {type(error).__name__}", math.nan)
+    try:
+        from opacus.accountants import PRVAccountant
+
+        start = time.process_time()
+        prv = PRVAccountant()
+        prv.history = [(sigma, q, count) for sigma, q, count in ledger]
+        out["Opacus PRV"] = (prv.get_epsilon(delta=delta, eps_error=0.01), time.process_time() - start)
+    except ImportError:
+        pass
+    except Exception as error:
+        out["Opacus PRV"] = (f"failed: {type(error).__name__}", math.nan)
+    return out
+
+
+def _show(value) -> str:
+    if isinstance(value, str):
+        return value
+    return f"{value:.6g}" if math.isfinite(value) else "inf"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=5, help="repetitions per row (median shown)")
+    parser.add_argument("--repeat", type=int, default=1, help="repetitions per timed row (median shown)")
+    parser.add_argument("--bracket", action="store_true", help="add rigorous lower bounds (slow)")
+    parser.add_argument("--peers", action="store_true", help="add dp_accounting and Opacus PRV if installed")
+    parser.add_argument("--only", default="", help="run only rows whose label contains this text")
     args = parser.parse_args(argv)
-    # Warm up: imports, FFT plans, the RDP order layout.
-    epsilon(1.0, 0.01, 1000, 1e-5)
-    epsilon(1.0, 0.01, 1000, 1e-5, "rdp")
-    rows = [(label, *_time(call, args.repeat), target) for label, call, target in _rows()]
-    width = max(len(label) for label, *_ in rows)
-    print(f"{'':<{width}}  {'wall ms':>9}  {'cpu ms':>9}  {'target ms':>9}  ")
-    for label, wall, cpu, target in rows:
-        goal = f"{target * 1e3:9.0f}" if target else f"{'':>9}"
-        verdict = "" if target is None else ("ok" if min(wall, cpu) <= target else "SLOW")
-        print(f"{label:<{width}}  {wall * 1e3:9.1f}  {cpu * 1e3:9.1f}  {goal}  {verdict}")
+    epsilon_of_ledger([(1.0, 0.01, 1000)], 1e-5)  # warm up: imports, FFT plans, order layout
+
+    print("| case | epsilon | wall s | cpu s | target s | lower bound | gap |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for label, ledger, delta, target in _ledgers():
+        if args.only not in label:
+            continue
+        fresh = [(_fresh(s) if 0 < s < math.inf else s, q, c) for s, q, c in ledger]
+        value, wall, cpu = _time(lambda: epsilon_of_ledger(fresh, delta), args.repeat)
+        goal = f"{target:g}" if target else ""
+        lower = gap = ""
+        if args.bracket:
+            bound = _lower_bound(fresh, delta)
+            if bound is None:
+                lower = "none within reach"
+            else:
+                lower = _show(bound)
+                gap = (f"{value / bound - 1:+.3%}" if bound > 0 and math.isfinite(value)
+                       else ("exact" if value == bound else ""))
+        print(f"| {label} | {_show(value)} | {wall:.2f} | {cpu:.2f} | {goal} | {lower} | {gap} |", flush=True)
+        if args.peers:
+            for name, (peer, seconds) in _peers(ledger, delta).items():
+                print(f"| - {name} | {_show(peer)} | | {seconds:.2f} | | | |", flush=True)
+
+    print()
+    print("| calibrate_noise (q 0.01, 1000 steps, delta 1e-5) | sigma | epsilon | wall s | cpu s | target s |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for target in (1e-4, 1e-2, 1.0, 1e2, 1e4, 1e-6, 1e6):
+        if args.only and args.only not in "calibrate":
+            continue
+        sigma, wall, cpu = _time(lambda: calibrate_noise(_fresh(target), 1e-5, 0.01, 1000), args.repeat)
+        spent = epsilon_of_ledger([(sigma, 0.01, 1000)], 1e-5)
+        goal = "2" if 1e-4 <= target <= 1e4 else ""
+        print(f"| target {target:g} | {_show(sigma)} | {_show(spent)} | {wall:.2f} | {cpu:.2f} | {goal} |", flush=True)
+    sigma, wall, cpu = _time(lambda: calibrate_noise(1.0, 1e-5, 1e-9, 1000), args.repeat)
+    print(f"| target 1, q 1e-9 (noiseless meets it) | {_show(sigma)} | 0 | {wall:.2f} | {cpu:.2f} | 2 |")
     return 0
 
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from dpoptim.accounting import ACCOUNTANTS, calibrate_noise, epsilon
-from dpoptim.accounting.ledger import check_sample_rate
+from dpoptim.accounting.ledger import check_count, check_sample_rate
 from dpoptim.data import batches_per_epoch
 
 __all__ = ["COMMANDS", "Command", "build_parser", "main"]
@@ -55,11 +55,40 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample-rate", type=float, required=True, metavar="Q",
                         help="probability that an example joins a batch, in (0, 1]")
     length = parser.add_mutually_exclusive_group(required=True)
-    length.add_argument("--steps", type=int, metavar="N", help="number of training steps")
+    length.add_argument("--steps", type=_step_count, metavar="N",
+                        help="number of training steps (an integer; 1e6 style accepted)")
     length.add_argument("--epochs", type=float, metavar="E",
                         help="number of epochs; steps = ceil(E * round(1 / sample rate)), the Poisson loader's epoch")
     parser.add_argument("--delta", type=float, required=True, metavar="D",
                         help="target delta, in (0, 1); choose it below 1 / dataset size")
+
+
+def _step_count(text: str) -> int:
+    """``--steps``: what the library accepts, integral floats such as ``1e3`` included."""
+    try:
+        value = float(text) if not text.strip().lstrip("+-").isdigit() else int(text)
+        return check_count(value, "steps")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer such as 1000 or 1e3, got {text!r}") from None
+
+
+#: Library argument names and the flags that set them, so that errors name the flag.
+_FLAGS = {
+    "noise_multiplier": "--noise-multiplier",
+    "sample_rate": "--sample-rate",
+    "target_epsilon": "--target-epsilon",
+    "steps": "--steps",
+    "epochs": "--epochs",
+    "delta": "--delta",
+}
+
+
+def _flag_message(error: ValueError) -> str:
+    message = str(error)
+    for name, flag in _FLAGS.items():
+        if message.startswith(name + " ") or message.startswith(f"{name}="):
+            return f"argument {flag}: {message}"
+    return message
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -222,5 +251,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except ValueError as error:
-        print(f"dpoptim {args.command}: error: {error}", file=sys.stderr)
+        print(f"dpoptim {args.command}: error: {_flag_message(error)}", file=sys.stderr)
         return 2

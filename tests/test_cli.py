@@ -70,7 +70,11 @@ def test_noise_text_output_both_accountants(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["epsilon", "--noise-multiplier", "-1", "--sample-rate", "0.1", "--steps", "10", "--delta", "1e-5"],
-     "noise_multiplier must be >= 0"),
+     "argument --noise-multiplier: noise_multiplier must be >= 0"),
+    (["epsilon", "--noise-multiplier", "1", "--sample-rate", "0.1", "--steps", "10", "--delta", "0"],
+     "argument --delta:"),
+    (["noise", "--target-epsilon", "0", "--delta", "1e-5", "--sample-rate", "0.1", "--steps", "10"],
+     "argument --target-epsilon:"),
     (["epsilon", "--noise-multiplier", "1", "--sample-rate", "0", "--steps", "10", "--delta", "1e-5"],
      "sample_rate"),
     (["epsilon", "--noise-multiplier", "1", "--sample-rate", "0.1", "--steps", "-3", "--delta", "1e-5"], "steps"),
@@ -98,6 +102,21 @@ def test_library_errors_exit_2_with_a_message(argv, message, capsys):
 def test_parser_errors_exit_2(argv, capsys):
     assert cli.main(argv) == 2
     assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, steps", [("1e3", 1000), ("1000", 1000), ("1000.0", 1000), ("0", 0)])
+def test_steps_accepts_what_the_library_accepts(text, steps, capsys):
+    doc = run_json(["epsilon", "--noise-multiplier", "1.1", "--sample-rate", "0.004", "--steps", text,
+                    "--delta", "1e-5", "--accountant", "rdp"], capsys)
+    assert doc["steps"] == steps
+    assert doc["epsilon"]["rdp"] == epsilon(1.1, 0.004, steps, 1e-5, accountant="rdp")
+
+
+@pytest.mark.parametrize("text", ["1.5", "-3", "1e400", "nan", "ten"])
+def test_bad_steps_name_the_flag(text, capsys):
+    assert cli.main(["epsilon", "--noise-multiplier", "1", "--sample-rate", "0.1", "--steps", text,
+                     "--delta", "1e-5"]) == 2
+    assert "argument --steps:" in capsys.readouterr().err
 
 
 def test_help_exits_0(capsys):

@@ -6,7 +6,9 @@ the sum of clipped per-example gradients of a Poisson-sampled batch (rate
 count)`` runs, and an accountant turns the ledger into ``(epsilon, delta)``:
 
 * :class:`PLDAccountant` (default, ``'pld'``): privacy loss distributions composed by
-  FFT. Tight (within 1% of the exact epsilon, usually far closer) and never below it.
+  FFT, and the minimum with the other sound bounds (RDP, and a Gaussian mixture that is
+  tight for tiny sigma). Never below the exact epsilon, and within 1% of it except where
+  ``docs/accounting.md`` says otherwise, with the measured bracket.
 * :class:`RDPAccountant` (``'rdp'``): Rényi DP with the improved conversion. Looser
   (typically 5-15% more epsilon), always sound, very fast.
 

@@ -82,7 +82,7 @@ def epsilon_of_ledger(runs, delta, accountant: str = "pld") -> float:
     delta = check_delta(delta)
     ledger = Ledger(runs)
     if name == "pld":
-        return pld_epsilon(ledger.runs, delta)
+        return pld_epsilon(ledger, delta)
     return RDPAccountant.from_ledger(ledger).get_epsilon(delta)
 
 
@@ -90,7 +90,19 @@ def calibrate_noise(target_epsilon, delta, sample_rate, steps, accountant: str =
     """The noise multiplier that spends ``target_epsilon`` over ``steps`` steps.
 
     The result ``sigma`` satisfies ``epsilon(sigma, ...) <= target_epsilon`` and, up to a
-    relative 0.2%, equals it: no noise is wasted. Zero steps need no noise (returns 0).
+    relative 0.2%, equals it: no noise is wasted. Zero steps need no noise (returns 0),
+    and neither does a run so short that even noiseless steps meet the target
+    (``1 - (1 - q)^steps <= delta``: the run is ``(0, delta)``-DP without noise).
+
+    Any positive target is met by a large enough sigma under the PLD accountant: a tiny
+    target asks for a large sigma, not an error. The RDP bound never falls below a floor
+    set by its conversion to ``(epsilon, delta)``; a target below that floor raises
+    ``ValueError`` naming ``target_epsilon`` and pointing to ``accountant='pld'``.
+
+    The search works on log epsilon against log sigma, which is monotone: a bracket of
+    evaluated points (epsilon above the target at ``low``, at most the target at
+    ``high``) narrowed by the Illinois variant of regula falsi. For the PLD, the RDP answer
+    (an upper bound, so feasible) starts the bracket a few percent from the answer.
     """
     name = _check_accountant(accountant)
     target = check_epsilon(target_epsilon, "target_epsilon", positive=True)
@@ -99,23 +111,47 @@ def calibrate_noise(target_epsilon, delta, sample_rate, steps, accountant: str =
     steps = check_count(steps, "steps")
     if steps == 0 or math.isinf(target):
         return 0.0
+    if name == "pld" and epsilon_of_ledger([(0.0, q, steps)], delta, "pld") <= target:
+        return 0.0  # noiseless steps already meet it
 
     def eps(sigma: float, accountant_name: str) -> float:
         return epsilon_of_ledger([(sigma, q, steps)], delta, accountant_name)
 
-    # RDP bounds PLD from above, so the RDP answer is feasible for both and a good start.
-    sigma_rdp = _calibrate(lambda sigma: eps(sigma, "rdp"), target, start=1.0)
+    start = _gdp_guess(target, delta, q, steps)
+    rdp_floor = eps(_SIGMA_MAX, "rdp")
+    if rdp_floor < target * (1.0 - _CALIBRATION_TOLERANCE):
+        guess = _solve(lambda sigma: eps(sigma, "rdp"), target, start)
+        if name == "rdp":
+            return guess
+        return _solve(lambda sigma: eps(sigma, "pld"), target, guess, close=True)
     if name == "rdp":
-        return sigma_rdp
-    return _calibrate(lambda sigma: eps(sigma, "pld"), target, start=sigma_rdp, close=True)
+        raise ValueError(
+            f"target_epsilon {target!r} is below what the RDP accountant can certify at delta={delta!r} "
+            f"(its bound never falls below {rdp_floor:.3g} for any noise multiplier); "
+            f"use accountant='pld', which meets any positive target"
+        )
+    return _solve(lambda sigma: eps(sigma, "pld"), target, start)
 
 
-def _calibrate(eps_of, target: float, start: float, close: bool = False) -> float:
-    """A sigma with target (1 - tolerance) <= eps_of(sigma) <= target.
+#: Largest noise multiplier a calibration tries before giving up.
+_SIGMA_MAX = 1e15
 
-    Keeps ``low`` (epsilon above target) and ``high`` (epsilon at most target), both
-    evaluated, and narrows them by regula falsi on log epsilon against log sigma.
-    ``close`` says the answer is known to lie a few percent below ``start``.
+
+def _gdp_guess(target: float, delta: float, q: float, steps: int) -> float:
+    """A rough sigma for ``target``, only a starting point: the large-sigma limit of the
+    subsampled Gaussian is about ``q sqrt(T) / sigma``-GDP (Dong, Roth & Su 2019, Thm. 6),
+    and a small ``mu``-GDP has epsilon about ``mu sqrt(2 log(1/delta))``."""
+    mu = target / math.sqrt(2.0 * math.log(1.0 / delta))
+    return min(max(q * math.sqrt(steps) / mu, 1e-2), 1e12)
+
+
+def _solve(eps_of, target: float, start: float, close: bool = False) -> float:
+    """A sigma with ``target (1 - tolerance) <= eps_of(sigma) <= target``, or else the
+    smallest evaluated feasible sigma once the bracket cannot shrink further.
+
+    Every returned sigma has been evaluated and found feasible, so the answer never
+    overshoots the target whatever the shape of ``eps_of``. ``close`` says the answer is
+    known to lie a few percent below ``start`` (the PLD below the RDP answer).
     """
     floor = target * (1.0 - _CALIBRATION_TOLERANCE)
     known: dict[float, float] = {}
@@ -125,43 +161,70 @@ def _calibrate(eps_of, target: float, start: float, close: bool = False) -> floa
             known[sigma] = eps_of(sigma)
         return known[sigma]
 
+    # Bracket: high feasible (eps <= target), low infeasible (eps > target).
     high = start
     while f(high) > target:
-        high *= 2.0
-        if high > 1e12:
-            raise ValueError(f"target_epsilon {target!r} is out of reach: even sigma = 1e12 exceeds it")
+        high *= 4.0
+        if high > _SIGMA_MAX:
+            raise ValueError(
+                f"target_epsilon {target!r} cannot be met: even noise_multiplier {_SIGMA_MAX:g} "
+                f"gives epsilon {f(high / 4.0):.3g}"
+            )
     if f(high) >= floor:
         return high
-    # Step down from high: PLD needs a few percent less noise than RDP, so begin close.
-    low = high * (0.93 if close else 0.5)
+    # Step down to an infeasible point, aiming at the target along a power law: epsilon
+    # ~ sigma^-k with k from the last two feasible points (2 before there are two), each
+    # step a factor between 0.5 and 0.97 (0.25 and 0.5 without a close start).
+    def step_down(sigma: float, previous: float | None) -> float:
+        value = max(f(sigma), 1e-300)
+        k = 2.0
+        if previous is not None and f(previous) > 0 and previous != sigma:
+            k = min(max(math.log(value / f(previous)) / math.log(previous / sigma), 1.0), 50.0)
+        factor = (value / target) ** (1.0 / k)
+        return sigma * min(max(factor, 0.5 if close else 0.25), 0.97 if close else 0.5)
+
+    low, previous = step_down(high, None), None
     while f(low) <= target:
         if f(low) >= floor:
             return low
-        high, low = low, low * (0.8 if close else 0.5)
-        if low < 1e-6:
+        previous, high = high, low
+        low = step_down(high, previous)
+        if low < 1e-9:
             return high
-    for _ in range(100):
-        # Interpolate log epsilon linearly in log sigma between the bracket ends.
-        x_low, x_high = math.log(low), math.log(high)
-        y_low, y_high = (math.log(v) if v > 0 else -math.inf for v in (f(low), f(high)))
-        y_target = math.log(target * (1.0 - _CALIBRATION_TOLERANCE / 2))
-        if math.isfinite(y_low) and math.isfinite(y_high) and y_low != y_high:
-            x = x_low + (y_target - y_low) * (x_high - x_low) / (y_high - y_low)
+    # Illinois regula falsi on g(x) = log eps(e^x) - log aim, decreasing in x, aimed at
+    # the middle of the accepted band so that a hit lands inside it.
+    aim = math.log(target * (1.0 - _CALIBRATION_TOLERANCE / 2))
+
+    def g(sigma: float) -> float:
+        value = f(sigma)
+        return (math.log(value) if 0 < value < math.inf else (-745.0 if value == 0 else 745.0)) - aim
+
+    x_low, x_high = math.log(low), math.log(high)
+    g_low, g_high = g(low), g(high)
+    side = 0
+    for _ in range(200):
+        if g_high != g_low:
+            x = x_high - g_high * (x_high - x_low) / (g_high - g_low)
         else:
             x = 0.5 * (x_low + x_high)
-        # Stay strictly inside, and away from the ends, so the bracket always shrinks.
-        margin = 0.05 * (x_high - x_low)
+        margin = 1e-3 * (x_high - x_low)
         x = min(max(x, x_low + margin), x_high - margin)
         sigma = math.exp(x)
         if f(sigma) > target:
-            low = sigma
+            x_low, g_low = x, g(sigma)
+            if side == -1:
+                g_high /= 2.0
+            side = -1
         else:
-            high = sigma
+            x_high, g_high = x, g(sigma)
             if f(sigma) >= floor:
                 return sigma
+            if side == 1:
+                g_low /= 2.0
+            side = 1
         if x_high - x_low < 1e-12:
             break
-    return high
+    return math.exp(x_high)
 
 
 def max_steps(

@@ -67,21 +67,22 @@ on what it stands for:
    part of :math:`\delta` (tiny ``q`` with tiny :math:`\delta`, whose heavy loss tail
    forbids a strong tilt), the composition is redone in extended precision.
 
-How far above the exact epsilon the answer lies is set by the grid spacing ``h``, which
-is as fine as ``grid_points`` allows for the window. Connect-the-dots keeps each bin's
-:math:`P`- and :math:`Q`-mass, so composing only spreads the loss by the within-bin
-variance (at most :math:`h^2/4` per step, usually far less), and the reserved
-``delta / 65536`` moves epsilon by about a ten-thousandth. With the default ``2**18``
-points the excess measured against much finer grids and an independent connect-the-dots
-implementation is typically below 0.1% from 1 to 10^6 steps, ``q`` from 1e-6 to 1 and
-:math:`\delta` from 1e-5 to 1e-10, and up to about 0.8% in the hardest case found (q =
-1e-6 with :math:`\delta` = 1e-10 and sigma near 0.7, where one rare step decides epsilon);
-the tests check 1% against exact references. No a-priori bound that tight is claimed.
-Where the PLD cannot certify a value (a floating-point allowance larger than ``delta``
-even in extended precision, as after ~10^10 steps) it falls back to the RDP bound, and it
-never reports more than the RDP bound, which is also sound. Ledgers with more than 64
-distinct ``(sigma, q)`` pairs are coarsened pessimistically first
-(:func:`~dpoptim.accounting.ledger.coarsen_runs`).
+How far above the exact epsilon the answer lies is set by the grid spacing ``h``.
+Connect-the-dots keeps each bin's :math:`P`- and :math:`Q`-mass, so composing only
+spreads the loss by the within-bin variance (at most :math:`h^2/4` per step), and the
+reserved ``delta / 65536`` moves epsilon by about a ten-thousandth. The window, hence
+``h``, grows like :math:`\sqrt T`, so that spread grows like ``T`` relative to the
+loss's own variance; the grid is refined (up to 4 times ``grid_points``) until it is at
+most 0.2% (:func:`_spread_share`), which keeps 10^8 steps within about 0.5%. No
+a-priori bound that tight is claimed: the tests and ``benchmarks/bench_accounting.py``
+bracket the answer with :func:`pld_epsilon_lower_bound`, the same composition with every
+loss rounded *down* (Koskela, Jälkö & Honkela 2020), which is a rigorous lower bound.
+
+The reported epsilon is the smallest of this PLD value, the RDP bound and the
+Gaussian-mixture bound of :mod:`.gaussian` (tight for tiny sigma), all sound. Ledgers with
+more than 64 distinct ``(sigma, q)`` pairs are grouped pessimistically first, by cost
+(:func:`~dpoptim.accounting.ledger.coarsen_runs`). Noiseless steps are exact (see
+:func:`_pld_epsilon`).
 
 Full-batch runs (``q = 1``) are exact Gaussian mechanisms: a ledger of only such runs
 goes to the analytic Gaussian mechanism (:mod:`.gaussian`), and in a mixed ledger they
@@ -98,11 +99,17 @@ import numpy as np
 import scipy.fft
 from scipy.special import log_ndtr, ndtri
 
-from .gaussian import gaussian_epsilon, gaussian_mu
+from .gaussian import (
+    gaussian_epsilon,
+    gaussian_mu,
+    ledger_mixture_epsilon,
+    mixture_delta_lower_bound,
+    mixture_epsilon,
+)
 from .ledger import Accountant, Ledger, check_count, check_delta, coarsen_runs
 from .rdp import DEFAULT_ORDERS, epsilon_from_rdp, ledger_rdp, rdp_subsampled_gaussian
 
-__all__ = ["PLDAccountant", "DEFAULT_GRID_POINTS", "pld_epsilon"]
+__all__ = ["PLDAccountant", "DEFAULT_GRID_POINTS", "pld_epsilon", "pld_epsilon_lower_bound"]
 
 #: Points of the circular loss grid used for composition.
 DEFAULT_GRID_POINTS = 2**18
@@ -119,35 +126,114 @@ _REMOVE, _ADD = "remove", "add"
 def pld_epsilon(runs, delta, grid_points: int = DEFAULT_GRID_POINTS) -> float:
     """Epsilon of a ledger of ``(sigma, q, count)`` runs by the PLD accountant."""
     delta = check_delta(delta)
-    grid_points = check_count(grid_points, "grid_points")
-    if grid_points < 2**10:
-        raise ValueError(f"grid_points must be >= 1024, got {grid_points}")
+    grid_points = _check_grid_points(grid_points)
     return _pld_epsilon(Ledger(runs).runs, delta, grid_points)
 
 
+def pld_epsilon_lower_bound(runs, delta, grid_points: int = DEFAULT_GRID_POINTS) -> float:
+    """A rigorous *lower* bound on the exact epsilon of a ledger (never reported as a guarantee).
+
+    The same machinery as :func:`pld_epsilon` run the other way round: groups of pairs
+    take their largest sigma and smallest q (:func:`~dpoptim.accounting.ledger.coarsen_runs`
+    with ``optimistic=True``), each bin's mass goes to its *lower* end, mass beyond the
+    window is dropped, and the wrap-around and floating-point bounds are *subtracted*
+    from delta. Every one of these can only lower delta, so the epsilon read off is at
+    most the exact one. Tests and benchmarks bracket the reported epsilon between the two.
+    """
+    delta = check_delta(delta)
+    grid_points = _check_grid_points(grid_points)
+    return _pld_epsilon(Ledger(runs).runs, delta, grid_points, lower=True)
+
+
+def _check_grid_points(grid_points) -> int:
+    grid_points = check_count(grid_points, "grid_points")
+    if grid_points < 2**10:
+        raise ValueError(f"grid_points must be >= 1024, got {grid_points}")
+    return grid_points
+
+
+def _blind_share(runs) -> float:
+    """1 - prod_r (1 - q_r)^{T_r}, rounded up: the chance that a noiseless step saw the example."""
+    log_clean = sum(run.count * math.log1p(-run.sample_rate) if run.sample_rate < 1 else -math.inf
+                    for run in runs)
+    return min(1.0, -math.expm1(log_clean) * (1.0 + 1e-12))
+
+
 @functools.lru_cache(maxsize=256)
-def _pld_epsilon(runs: tuple, delta: float, grid_points: int) -> float:
-    """The PLD epsilon of validated, merged runs, never above their RDP epsilon."""
+def _pld_epsilon(runs: tuple, delta: float, grid_points: int, lower: bool = False) -> float:
+    r"""The PLD epsilon of validated, merged runs, never above the other sound bounds.
+
+    **Noiseless steps** (``sigma = 0``) are exact, not infinite. Such a step releases the
+    clipped sum itself, so the worst-case pair is :math:`P = (1-q)\,\delta_0 + q\,\delta_1`
+    against :math:`Q = \delta_0`. Over all of them the example was used with probability
+    :math:`p_0 = 1 - \prod_r (1 - q_r)^{T_r}`, so (removal) the privacy loss is
+    :math:`+\infty` with probability :math:`p_0` and 0 otherwise; (addition) it is the
+    constant :math:`c = -\log(1 - p_0)`. Composed with the noisy rest, whose profile is
+    :math:`\delta_r(\varepsilon)`, that gives exactly
+
+    .. math::
+        \delta_{\text{remove}}(\varepsilon) = p_0 + (1 - p_0)\,\delta_r(\varepsilon), \qquad
+        \delta_{\text{add}}(\varepsilon) = \delta_r(\varepsilon - c),
+
+    so epsilon is the noisy rest's at :math:`(\delta - p_0) / (1 - p_0)` (removal) and
+    its epsilon plus ``c`` (addition); it is 0 when there is no noisy rest and
+    :math:`p_0 \le \delta` (the run is :math:`(0, p_0)`-DP), and infinite when
+    :math:`p_0 \ge \delta` with a noisy rest. The other bounds (RDP, the Gaussian
+    mixture) take the noiseless steps by basic composition, at :math:`\delta - p_0`.
+
+    **The minimum of sound bounds.** The PLD answer is compared with the RDP bound
+    (:mod:`.rdp`) and the Gaussian-mixture bound
+    (:func:`~dpoptim.accounting.gaussian.mixture_epsilon`, tight for tiny sigma, exact
+    for q = 1); each is an upper bound, so their minimum is one too.
+    """
     runs = tuple(run for run in runs if not math.isinf(run.noise_multiplier))
-    if not runs:
-        return 0.0
-    if any(run.noise_multiplier == 0.0 for run in runs):
+    blind = [run for run in runs if run.noise_multiplier == 0.0]
+    noisy = tuple(run for run in runs if run.noise_multiplier > 0.0)
+    p0 = _blind_share(blind) if blind else 0.0
+    if not noisy:
+        return 0.0 if p0 <= delta else math.inf
+    if p0 >= delta:
         return math.inf
-    full_batch = [run for run in runs if run.sample_rate == 1.0]
-    subsampled = [run for run in runs if run.sample_rate < 1.0]
+    shift = -math.log1p(-p0) * (1.0 + 1e-12) if p0 > 0 else 0.0
+    deltas = {_REMOVE: (delta - p0) / (1.0 - p0) * (1.0 - 1e-12) if p0 > 0 else delta, _ADD: delta}
+    if lower:
+        deltas[_REMOVE] = (delta - p0) / (1.0 - p0) if p0 > 0 else delta
+        shift = -math.log1p(-p0)
+    if not lower and not blind and len(noisy) == 1 and noisy[0].sample_rate < 1.0:
+        # Tiny sigma: the Gaussian mixture bound is certified within 0.1% of the exact
+        # epsilon by its own lower bound, and no PLD grid can do noticeably better.
+        sigma, q, count = noisy[0]
+        mixture = mixture_epsilon(sigma, q, count, delta)
+        if 0.0 < mixture < math.inf and mixture_delta_lower_bound(mixture / 1.001, sigma, q, count) > delta:
+            return mixture
+    full_batch = [run for run in noisy if run.sample_rate == 1.0]
+    subsampled = [run for run in noisy if run.sample_rate < 1.0]
     mu = gaussian_mu(full_batch)
     if not subsampled:
-        return gaussian_epsilon(delta, mu)
+        return _shifted_max({d: _gaussian_epsilon_bound(deltas[d], mu, lower) for d in deltas}, shift)
     # Full-batch runs compose exactly into one Gaussian step of noise multiplier 1/mu.
-    steps = coarsen_runs(subsampled)
+    steps = coarsen_runs(subsampled, optimistic=lower)
     if mu > 0:
         steps.append((1.0 / mu, 1.0, 1))
-    rdp_epsilon, _ = epsilon_from_rdp(ledger_rdp(runs), DEFAULT_ORDERS, delta)
     try:
-        pld = _compose_and_invert(tuple(steps), delta, grid_points)
+        pld = _shifted_max(_compose_and_invert(tuple(steps), deltas, grid_points, lower), shift)
     except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
-        pld = math.inf  # no sound PLD answer here: the RDP bound stands
-    return min(pld, rdp_epsilon)
+        pld = 0.0 if lower else math.inf  # no PLD answer here: the other bounds stand
+    if lower:
+        return pld
+    rest_delta = (delta - p0) * (1.0 - 1e-12)
+    rdp_epsilon, _ = epsilon_from_rdp(ledger_rdp(Ledger._trusted(noisy)), DEFAULT_ORDERS, rest_delta)
+    return min(pld, rdp_epsilon, ledger_mixture_epsilon(noisy, rest_delta))
+
+
+def _gaussian_epsilon_bound(delta: float, mu: float, lower: bool) -> float:
+    epsilon = gaussian_epsilon(delta, mu)
+    # gaussian_epsilon rounds up to within 1e-12 relative; undo that for a lower bound.
+    return epsilon * (1.0 - 1e-9) if lower else epsilon
+
+
+def _shifted_max(epsilons: dict, shift: float) -> float:
+    return max(epsilons[_REMOVE], epsilons[_ADD] + shift)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,12 +254,64 @@ class _Grid:
     tilt: float
 
 
-def _compose_and_invert(steps: tuple, delta: float, grid_points: int) -> float:
-    n = _fft_size(grid_points)
+def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int, lower: bool = False) -> dict:
+    """Epsilon of each direction, each at its own delta, on one grid."""
+    base = n = _fft_size(grid_points)
+    delta = min(deltas.values())
     tail = _TAIL_FRACTION * delta
-    grid = _rdp_grid(steps, tail, delta, n)
-    grid = _narrow_grid(steps, grid, tail, delta) or grid
-    return max(_direction_epsilon(steps, direction, grid, delta) for direction in (_REMOVE, _ADD))
+    while True:
+        grid = _rdp_grid(steps, tail, delta, n)
+        grid = _narrow_grid(steps, grid, tail, delta) or grid
+        if n >= _MAX_REFINE * base or _spread_share(steps, grid.spacing) <= _SPREAD_SHARE:
+            break
+        n *= 2
+    if not lower:
+        return {direction: _direction_epsilon(steps, direction, grid, deltas[direction]) for direction in (_REMOVE, _ADD)}
+    return {direction: _direction_lower(steps, direction, _lower_grid(steps, direction, grid), deltas[direction])
+            for direction in (_REMOVE, _ADD)}
+
+
+def _lower_grid(steps, direction, grid: _Grid) -> _Grid:
+    """The window moved down by the most that rounding down can shift the composed loss.
+
+    Rounding each step's loss down moves it by less than one bin, so the composed loss
+    moves down by less than ``steps`` bins, and without a wider window the mass that the
+    upper window kept just above its bottom could wrap around to its top. The window is
+    moved down by that many bins (at most half its width); the top of each step is
+    clipped to the new window (mass above it is rounded down to the top, still
+    optimistic). Whatever still falls below is bounded and subtracted.
+    """
+    total = sum(count for _, _, count in steps)
+    i_low = grid.i_low - min(total + 1, grid.n // 2)
+    if i_low == grid.i_low:
+        return grid
+    i_top = i_low + grid.n - 1
+    tops = dict(grid.tops)
+    tops[direction] = tuple(min(top, i_top) for top in grid.tops[direction])
+    return dataclasses.replace(grid, i_low=i_low, tops=tops)
+
+
+#: Long runs: the grid is refined (up to _MAX_REFINE times the points asked for) until
+#: connect-the-dots adds at most this share to the variance of the composed loss.
+_SPREAD_SHARE = 2e-3
+_MAX_REFINE = 4
+
+
+def _spread_share(steps: tuple, spacing: float) -> float:
+    r"""Upper estimate of the variance connect-the-dots adds, relative to the loss's own.
+
+    Splitting a bin's mass between its end points adds at most :math:`h^2/4` of variance
+    per step (Doroshenko et al. 2022), so a run of ``T`` steps gains up to
+    :math:`T h^2 / 4` against its variance :math:`T v`. The window, hence ``h``, grows
+    like :math:`\sqrt T`, so the share grows like ``T``: after 10^8 steps at the default
+    grid it is about 15% and epsilon several percent too high. This only steers the grid
+    size; soundness never depends on it.
+    """
+    total = sum(count for _, _, count in steps)
+    variance = sum(count * _loss_moments(sigma, q, _REMOVE, math.inf)[1] for sigma, q, count in steps)
+    if not variance > 0:
+        return 0.0
+    return total * spacing * spacing / 4.0 / variance
 
 
 def _fft_size(grid_points: int) -> int:
@@ -457,11 +595,19 @@ def _log_gauss_bins(x: np.ndarray) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=32)
-def _step_distribution(sigma: float, q: float, direction: str, spacing: float, i_low: int, i_high: int):
-    """Connect-the-dots loss distribution of one step on grid points i_low..i_high.
+def _step_distribution(sigma: float, q: float, direction: str, spacing: float, i_low: int, i_high: int,
+                       optimistic: bool = False):
+    r"""Connect-the-dots loss distribution of one step on grid points i_low..i_high.
 
     Returns ``(first, masses, p_inf)``: ``masses[k]`` is the P-mass at loss
     ``(first + k) * spacing`` and ``p_inf`` the mass at ``+inf``.
+
+    ``optimistic=True`` builds the *dominated* distribution used only for lower bounds:
+    each bin's P-mass goes to its lower end (the loss rounded down, which leaves the
+    P-distribution in place and raises the Q-mass to ``P e^{-l_i}``; every hockey-stick
+    divergence :math:`\sum (p - e^\varepsilon q)_+` can only fall, also after
+    composition, where the products of the raised Q-masses are still larger), mass below
+    the grid is dropped and mass above it rounded down to the top point.
     """
     # Keep to where the Gaussian components have mass; outside, bins are empty.
     z_min, z_max = -_GAUSS_TAIL * sigma, 1.0 + _GAUSS_TAIL * sigma
@@ -483,6 +629,10 @@ def _step_distribution(sigma: float, q: float, direction: str, spacing: float, i
         log_qq = np.logaddexp(log_q + log_n0, log_1mq + log_n1)
     p = np.exp(log_p)
     masses = np.zeros(hi - lo + 1)
+    if optimistic:
+        masses += p[1:]  # bin (l_i, l_i+1] to l_i; the bin above the grid to its top point
+        masses.setflags(write=False)
+        return lo, masses, 0.0
     masses[0] += p[0]  # the bin below the grid: rounded up to its lowest point
     # Interior bins: split (P, Q) between the end points so that both masses are kept:
     # right share = (1 - e^{l_i} Q / P) / (1 - e^{-h}).
@@ -502,14 +652,14 @@ def _step_distribution(sigma: float, q: float, direction: str, spacing: float, i
 
 
 @functools.lru_cache(maxsize=16)  # 2 MB each at the default grid size
-def _step_spectrum(sigma, q, direction, spacing, i_low, i_high, n, tilt, dtype=np.float64):
+def _step_spectrum(sigma, q, direction, spacing, i_low, i_high, n, tilt, dtype=np.float64, optimistic=False):
     """Transform of one step's tilted grid distribution, placed circularly at index mod n.
 
     Returns ``(spectrum, p_inf, log_mgf)``: the rfft (in ``dtype``) of ``m_k e^{tilt l_k} /
     M`` with ``M = sum_k m_k e^{tilt l_k}`` over the finite part, the mass at +inf, and
     ``log M``.
     """
-    first, masses, p_inf = _step_distribution(sigma, q, direction, spacing, i_low, i_high)
+    first, masses, p_inf = _step_distribution(sigma, q, direction, spacing, i_low, i_high, optimistic)
     losses = (first + np.arange(masses.size)) * spacing
     with np.errstate(divide="ignore"):
         log_tilted = np.log(masses) + tilt * losses
@@ -540,7 +690,15 @@ def _direction_epsilon(steps, direction, grid: _Grid, delta) -> float:
     return epsilon
 
 
-def _compose_direction(steps, direction, grid: _Grid, delta, dtype) -> tuple[float, bool]:
+def _direction_lower(steps, direction, grid: _Grid, delta) -> float:
+    """A rigorous *lower* bound on the epsilon of one direction (for tests and benchmarks)."""
+    epsilon, binding = _compose_direction(steps, direction, grid, delta, np.float64, lower=True)
+    if binding and _EXTENDED_U < _U:
+        epsilon = max(epsilon, _compose_direction(steps, direction, grid, delta, np.longdouble, lower=True)[0])
+    return epsilon
+
+
+def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool = False) -> tuple[float, bool]:
     r"""Compose by FFT, undo the tilt, invert the profile: ``(epsilon, rounding_binding)``.
 
     The transform works on the *tilted* distributions :math:`\tilde m_k \propto m_k
@@ -557,7 +715,7 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype) -> tuple[flo
     log_finite = cgf = 0.0
     total_steps = 0
     for (sigma, q, count), top in zip(steps, grid.tops[direction]):
-        step, p_inf, log_mgf = _step_spectrum(sigma, q, direction, spacing, grid.i_low, top, n, tilt, dtype)
+        step, p_inf, log_mgf = _step_spectrum(sigma, q, direction, spacing, grid.i_low, top, n, tilt, dtype, lower)
         with np.errstate(divide="ignore"):
             log_modulus = np.log(np.abs(step))
         power = _power(step, count, log_modulus)
@@ -575,6 +733,18 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype) -> tuple[flo
     log_untilt = cgf - tilt * losses
     unit = float(np.finfo(dtype).eps) / 2
     noise = _rounding_allowance(n, total_steps, np.exp(log_weight), np.abs(spectrum).astype(np.float64), unit)
+    if lower:
+        # Composed mass below the window (at most (i_low - 1) h on the lattice) wraps to its top, where it would raise delta:
+        # subtract a Chernoff bound on it, from the exact moment generating function of
+        # the (optimistic) grid distributions composed. Mass above the window wraps to
+        # low losses, which can only lower delta: harmless for a lower bound.
+        lambdas = np.geomspace(1e-3, 1e3, 37)
+        log_down = np.zeros_like(lambdas)
+        for (sigma, q, count), top in zip(steps, grid.tops[direction]):
+            first, masses, _ = _step_distribution(sigma, q, direction, spacing, grid.i_low, top, True)
+            log_down = log_down + count * _log_mgf(first, masses, spacing, -lambdas)
+        below = math.exp(min(float((log_down + lambdas * (grid.i_low - 1) * spacing).min()), 0.0))
+        return _invert_profile(tilted, log_untilt, losses, -below, noise, delta, lower=True)
     constant = -math.expm1(log_finite) + grid.tail
     return _invert_profile(tilted, log_untilt, losses, constant, noise, delta)
 
@@ -619,7 +789,7 @@ def _power(spectrum: np.ndarray, count: int, log_modulus: np.ndarray) -> np.ndar
     return out
 
 
-def _invert_profile(tilted, log_untilt, losses, constant, noise, delta) -> tuple[float, bool]:
+def _invert_profile(tilted, log_untilt, losses, constant, noise, delta, lower: bool = False) -> tuple[float, bool]:
     r"""Smallest epsilon >= 0 with delta(epsilon) <= delta, and whether the rounding
     allowance there exceeds delta / 100; with m_k the untilted masses
     ``tilted_k * e^{log_untilt_k}``, the profile is
@@ -642,6 +812,11 @@ def _invert_profile(tilted, log_untilt, losses, constant, noise, delta) -> tuple
         return math.inf, True
     first_valid = int(np.argmax(valid))  # log_untilt is non-increasing in k
     masses = np.where(valid, tilted * np.exp(np.minimum(log_untilt, 300.0)), 0.0)
+    if lower:
+        # Each entry is at least its computed value less its rounding bound (and >= 0).
+        with np.errstate(over="ignore"):
+            masses = np.maximum(masses - noise * np.exp(np.minimum(log_untilt, 700.0)), 0.0)
+        noise = 0.0
     above = _suffix_sum(masses)
     if losses[-1] - losses[first_valid] < 600.0:
         reference = losses[first_valid]
@@ -658,6 +833,16 @@ def _invert_profile(tilted, log_untilt, losses, constant, noise, delta) -> tuple
     with np.errstate(over="ignore", invalid="ignore"):
         allowance = noise * np.exp(np.minimum(log_untilt, 700.0)) * series
         profile = constant + allowance + np.maximum(above - weighted, 0.0)
+    if lower:
+        # Entries left out (below first_valid) only lower this profile: still a lower bound.
+        profile[np.isnan(profile)] = 0.0
+        certified = np.flatnonzero(profile <= delta)
+        if certified.size == 0:
+            return float(losses[-1]), False
+        k = int(certified[0])
+        # delta(eps) > delta on every grid point below l_k, and the profile does not
+        # increase, so the exact epsilon is at least l_{k-1}.
+        return max(float(losses[max(k - 1, 0)]), 0.0), False
     profile[: first_valid + 1] = np.inf
     profile[np.isnan(profile)] = np.inf
     certified = np.flatnonzero(profile <= delta)
@@ -670,7 +855,9 @@ def _invert_profile(tilted, log_untilt, losses, constant, noise, delta) -> tuple
     elif excess <= 0.0:
         epsilon = losses[k - 1]
     else:
-        epsilon = losses[k - 1] + math.log(excess / weighted[k - 1])
+        with np.errstate(over="ignore"):
+            ratio = float(excess / weighted[k - 1])
+        epsilon = losses[k - 1] + math.log(ratio) if ratio < math.inf else losses[k]
     binding = not allowance[k - 1] <= delta / 100.0
     return max(float(min(max(epsilon, losses[k - 1]), losses[k])), 0.0), binding
 
@@ -698,10 +885,7 @@ class PLDAccountant(Accountant):
 
     def __init__(self, grid_points: int = DEFAULT_GRID_POINTS):
         super().__init__()
-        grid_points = check_count(grid_points, "grid_points")
-        if grid_points < 2**10:
-            raise ValueError(f"grid_points must be >= 1024, got {grid_points}")
-        self.grid_points = grid_points
+        self.grid_points = _check_grid_points(grid_points)
 
     def get_epsilon(self, delta) -> float:
         delta = check_delta(delta)

@@ -1,0 +1,230 @@
+"""Brackets, noiseless steps, tiny sigma, grouping, calibration edges (issue 17).
+
+Every "within 1%" claim is checked against a rigorous *lower* bound computed
+independently of the reported value: the exact one-step profile by quadrature, the
+analytic Gaussian for q = 1, the optimistic PLD (:func:`pld_epsilon_lower_bound`) and, for
+tiny sigma, the shifted Gaussian mixture (:func:`mixture_epsilon_lower_bound`).
+"""
+
+import math
+import random
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from dpoptim.accounting import calibrate_noise, epsilon, epsilon_of_ledger, gaussian_epsilon, max_steps
+from dpoptim.accounting import ledger as ledger_module
+from dpoptim.accounting.gaussian import (
+    mixture_delta,
+    mixture_epsilon,
+    mixture_epsilon_lower_bound,
+)
+from dpoptim.accounting.ledger import coarsen_runs
+from dpoptim.accounting.pld import pld_epsilon, pld_epsilon_lower_bound
+
+DELTA = 1e-5
+
+
+def assert_bracketed(upper, lower, rel=0.01):
+    """The reported value is at or above the rigorous lower bound and within rel of it."""
+    assert lower <= upper * (1 + 1e-12), (upper, lower)
+    assert upper <= lower * (1 + rel), (upper, lower, upper / lower - 1)
+
+
+def one_step_profile(sigma, q, direction, eps):
+    """Exact delta(eps) of one subsampled Gaussian step from Gaussian tails (independent
+    of the library; the same formula as tests/test_accounting.py's oracle)."""
+    log_1mq = math.log1p(-q) if q < 1 else -math.inf
+    if direction == "remove":
+        if eps <= log_1mq:
+            return 1.0 - math.exp(eps)
+        z = sigma**2 * math.log((math.expm1(eps) + q) / q) + 0.5
+        p_tail = (1 - q) * stats.norm.sf(z, 0, sigma) + q * stats.norm.sf(z, 1, sigma)
+        return p_tail - math.exp(eps) * stats.norm.sf(z, 0, sigma)
+    if eps >= -log_1mq:
+        return 0.0
+    z = sigma**2 * math.log((math.expm1(-eps) + q) / q) + 0.5
+    q_tail = (1 - q) * stats.norm.cdf(z, 0, sigma) + q * stats.norm.cdf(z, 1, sigma)
+    return stats.norm.cdf(z, 0, sigma) - math.exp(eps) * q_tail
+
+
+# --- noiseless steps ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("q, steps", [(1e-7, 10), (1e-6, 10), (2e-6, 5), (1e-5, 1)])
+def test_noiseless_steps_are_zero_delta_share_dp(q, steps):
+    # sigma = 0: (0, p0)-DP with p0 = 1 - (1 - q)^T exactly, so epsilon is 0 iff p0 <= delta.
+    p0 = 1.0 - (1.0 - q) ** steps
+    expected = 0.0 if p0 <= DELTA * (1 - 1e-9) else math.inf
+    assert epsilon(0.0, q, steps, DELTA) == expected
+    assert epsilon(0.0, q, steps, 10 * p0) == 0.0
+    assert epsilon(0.0, q, steps, 0.5 * p0) == math.inf
+
+
+def test_noiseless_steps_with_a_noisy_rest_compose_exactly():
+    noisy = [(1.0, 0.01, 1000)]
+    p0 = 1.0 - (1.0 - 1e-7) ** 30
+    mixed = epsilon_of_ledger([(0.0, 1e-7, 30), *noisy], DELTA)
+    rest = pld_epsilon(noisy, DELTA)
+    # removal: the rest at (delta - p0) / (1 - p0); addition: the rest shifted by -log(1 - p0).
+    assert rest <= mixed <= pld_epsilon(noisy, (DELTA - p0) / (1 - p0)) - math.log1p(-p0) + 1e-12
+    # Here removal decides: the noisy rest at the reduced delta.
+    assert mixed == pytest.approx(pld_epsilon(noisy, (DELTA - p0) / (1 - p0)), rel=1e-6)
+    assert epsilon_of_ledger([(0.0, 1e-7, 30), *noisy], p0 / 2) == math.inf
+
+
+def test_calibration_needs_no_noise_when_noiseless_steps_already_meet_the_target():
+    assert calibrate_noise(1.0, DELTA, 1e-9, 1000) == 0.0
+    assert epsilon(0.0, 1e-9, 1000, DELTA) == 0.0
+
+
+# --- the Gaussian mixture bound and tiny sigma -------------------------------------------
+
+
+@pytest.mark.parametrize("sigma, steps, delta", [(2.0, 100, 1e-5), (0.3, 7, 1e-9), (50.0, 10**6, 1e-12)])
+def test_mixture_bound_is_the_analytic_gaussian_at_full_batch(sigma, steps, delta):
+    assert mixture_epsilon(sigma, 1.0, steps, delta) == pytest.approx(
+        gaussian_epsilon(delta, math.sqrt(steps) / sigma), rel=1e-9)
+
+
+@pytest.mark.parametrize("sigma, q", [(0.5, 0.3), (1.0, 0.05), (0.1, 0.5), (3.0, 0.9)])
+def test_mixture_bound_is_above_the_exact_one_step_profile(sigma, q):
+    for eps in (0.0, 0.1, 0.7, 2.0):
+        exact = max(one_step_profile(sigma, q, d, eps) for d in ("remove", "add"))
+        assert mixture_delta(eps, sigma, q, 1) >= exact * (1 - 1e-9) - 1e-15
+
+
+@pytest.mark.parametrize("sigma, q, steps, delta", [
+    (0.001, 0.01, 1000, 1e-5),
+    (0.0049, 0.01, 1000, 1e-5),
+    (0.0051, 0.01, 1000, 1e-5),
+    (0.005, 0.5, 10**6, 1e-12),
+    (0.01, 1e-6, 10**8, 1e-9),
+    (0.02, 0.1, 100, 0.1),
+])
+def test_tiny_sigma_is_tight(sigma, q, steps, delta):
+    upper = epsilon(sigma, q, steps, delta)
+    assert_bracketed(upper, mixture_epsilon_lower_bound(sigma, q, steps, delta))
+
+
+def test_tiny_sigma_is_monotone_where_it_used_to_jump():
+    # sigma 0.0049 -> 146,615 but 0.0051 -> 1,606,744 before: now a smooth, falling curve.
+    sigmas = np.linspace(0.0045, 0.0055, 11)
+    values = [epsilon(s, 0.01, 1000, DELTA) for s in sigmas]
+    assert all(b <= a for a, b in zip(values, values[1:]))
+    assert values[0] / values[-1] == pytest.approx((0.0055 / 0.0045) ** 2, rel=0.01)
+
+
+# --- brackets for moderate sigma --------------------------------------------------------
+
+
+@pytest.mark.parametrize("sigma, q, delta", [(1.0, 0.5, 1e-5), (0.8, 0.01, 1e-10), (3.0, 1e-6, 1e-12)])
+def test_one_step_against_the_exact_profile(sigma, q, delta):
+    def worst(e):
+        return max(one_step_profile(sigma, q, d, e) for d in ("remove", "add"))
+
+    upper = epsilon(sigma, q, 1, delta)
+    assert worst(upper) <= delta * (1 + 1e-6)  # sound: the exact delta there is within budget
+    assert worst(upper / 1.01) > delta or upper == 0.0  # tight: 1% lower would not be
+
+
+@pytest.mark.parametrize("runs, delta", [
+    ([(1.1, 0.05, 100)], 1e-5),
+    ([(0.9, 0.02, 60), (1.5, 0.04, 40)], 1e-8),
+])
+def test_pld_is_within_one_percent_of_its_rigorous_lower_bound(runs, delta):
+    upper = epsilon_of_ledger(runs, delta)
+    assert_bracketed(upper, pld_epsilon_lower_bound(runs, delta, grid_points=2**19))
+
+
+# --- grouping of many (sigma, q) pairs ---------------------------------------------------
+
+
+def test_grouping_is_pessimistic_pair_by_pair_and_keeps_every_step():
+    rng = random.Random(7)
+    runs = [(rng.uniform(0.5, 3.0), rng.choice([1e-3, 1e-2, 0.1, 1.0]), rng.randint(1, 50)) for _ in range(500)]
+    groups = coarsen_runs(runs, 16)
+    optimistic = coarsen_runs(runs, 16, optimistic=True)
+    assert len(groups) <= 16 and len(optimistic) == len(groups)
+    assert sum(c for *_, c in groups) == sum(c for *_, c in runs)
+    # Each pair is covered by a group whose sigma is no larger and q no smaller.
+    for sigma, q, _ in runs:
+        assert any(gs <= sigma and gq >= q for gs, gq, _ in groups)
+        assert any(os_ >= sigma and oq <= q for os_, oq, _ in optimistic)
+
+
+def test_a_negligible_step_does_not_move_a_full_ledger(monkeypatch):
+    # Before: one step at sigma = 100 on a ledger at the limit re-coarsened everything (+2%).
+    monkeypatch.setattr(ledger_module, "MAX_DISTINCT_RUNS", 8)
+    runs = [(0.8 + 0.05 * i, 0.005, 150) for i in range(8)]
+    before = epsilon_of_ledger(runs, DELTA)
+    after = epsilon_of_ledger([*runs, (100.0, 0.005, 1)], DELTA)
+    assert before <= after <= before * 1.0005
+
+
+def test_a_schedule_beyond_the_limit_stays_within_one_percent(monkeypatch):
+    # A noise schedule with more levels than the limit, as dense as 100 levels in 64
+    # groups: the optimistic grouping and rounding give a rigorous lower bound, and the
+    # reported value must be within 1% of it.
+    runs = [(1.0 + 0.01 * i, 0.01, 40) for i in range(13)]
+    lower = pld_epsilon_lower_bound(runs, DELTA, grid_points=2**19)  # every level kept
+    monkeypatch.setattr(ledger_module, "MAX_DISTINCT_RUNS", 8)
+    assert len(coarsen_runs(runs)) == 8
+    assert_bracketed(epsilon_of_ledger(runs, DELTA), lower)
+
+
+# --- calibration edges ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", [1e-4, 1e-2, 1e2, 1e4])
+def test_calibration_meets_targets_across_the_range(target):
+    sigma = calibrate_noise(target, DELTA, 0.01, 1000)
+    spent = epsilon(sigma, 0.01, 1000, DELTA)
+    assert target * 0.998 <= spent <= target
+
+
+def test_tiny_targets_ask_for_large_noise_not_an_error():
+    sigma = calibrate_noise(1e-6, DELTA, 0.01, 1000)
+    assert sigma > 1e3 and epsilon(sigma, 0.01, 1000, DELTA) <= 1e-6
+
+
+def test_rdp_floor_is_named():
+    with pytest.raises(ValueError, match="target_epsilon .* accountant='pld'"):
+        calibrate_noise(1e-5, DELTA, 0.01, 1000, accountant="rdp")
+
+
+# --- budgets at the boundary ------------------------------------------------------------
+
+
+def test_max_steps_is_exact_at_the_boundary_after_a_schedule():
+    spent = [(1.2, 0.01, 300), (0.9, 0.02, 200)]
+    budget = epsilon_of_ledger(spent, DELTA) * 1.3
+    k = max_steps(1.0, 0.01, DELTA, budget, ledger=spent)
+    assert k > 0
+    assert epsilon_of_ledger([*spent, (1.0, 0.01, k)], DELTA) <= budget
+    assert epsilon_of_ledger([*spent, (1.0, 0.01, k + 1)], DELTA) > budget
+
+
+# --- monotonicity across the whole stated range ------------------------------------------
+
+
+@pytest.mark.parametrize("axis", ["sigma", "q", "steps", "delta"])
+def test_epsilon_is_monotone_across_the_whole_range(axis):
+    # sigma 0.001..100, q 1e-6..1, steps 1..1e8, delta 1e-12..0.1: epsilon falls with
+    # sigma and delta and grows with q and steps, across every regime (mixture, PLD,
+    # analytic Gaussian) and the switches between them.
+    base = {"sigma": 1.0, "q": 0.01, "steps": 1000, "delta": 1e-5}
+    grids = {
+        "sigma": np.geomspace(1e-3, 100.0, 11),
+        "q": np.geomspace(1e-6, 1.0, 9),
+        "steps": np.geomspace(1, 1e8, 9).round(),
+        "delta": np.geomspace(1e-12, 0.1, 9),
+    }
+    values = []
+    for x in grids[axis]:
+        p = dict(base, **{axis: float(x)})
+        values.append(epsilon(p["sigma"], p["q"], int(p["steps"]), p["delta"]))
+    falling = axis in ("sigma", "delta")
+    for a, b in zip(values, values[1:]):
+        assert (b <= a) if falling else (b >= a), (axis, values)
