@@ -538,3 +538,36 @@ def test_no_doc_or_example_teaches_a_fixed_noise_or_sampling_seed():
     found = [f"{path.name}:{text.count(chr(10), 0, m.start()) + 1}"
              for path in files for text in [path.read_text()] for m in seeded.finditer(text)]
     assert not found, f"a fixed seed for noise or sampling is taught in {found}"
+
+
+def test_model_compile_in_place_trains_exactly():
+    """docs/privacy.md: model.compile() works where torch.compile(model) is refused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, y = 20 * torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    plain = update(model, x, y)
+    compiled = copy.deepcopy(model)
+    compiled.compile()
+    assert torch.allclose(update(compiled, x, y), plain, rtol=1e-9, atol=1e-12)
+
+
+class OutsideUse(nn.Module):
+    """An embedding whose weight is also read outside its module (an output layer written
+    as a matrix product): its gradient there is invisible to the hooks."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+
+    def forward(self, ids):
+        return self.emb(ids).mean(1) @ self.emb.weight.T
+
+
+def test_check_reports_a_parameter_used_outside_its_module():
+    """docs/privacy.md sends users to dpoptim.check for uses outside a module that the
+    engine stops seeing after its first step."""
+    torch.manual_seed(0)
+    ids, y = torch.randint(0, 7, (6, 3)), torch.randint(0, 7, (6,))
+    result = dpoptim.check(OutsideUse(), (ids, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    assert not result.passed
+    assert "weight" in "\n".join(result.failures)
