@@ -36,6 +36,7 @@ Register a rule with :func:`register_rule`; built-in rules use the same door.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import torch
@@ -154,8 +155,9 @@ class Rule:
     def norms(self, use: Use, names: list[str]) -> dict[str, torch.Tensor]:
         """Per-example squared norms ``||g_i(p)||^2``, shape ``[n]``."""
         grads = self._per_example_cached(use, names)
-        # reshape, not flatten(1): a scalar parameter's gradients are [n]
-        return {name: grads[name].reshape(grads[name].shape[0], -1).square().sum(1) for name in names}
+        # reshape, not flatten(1): a scalar parameter's gradients are [n], and n may be 0
+        return {name: g.reshape(g.shape[0], math.prod(g.shape[1:])).square().sum(1)
+                for name, g in ((name, grads[name]) for name in names)}
 
     def clipped_sum(self, use: Use, names: list[str], factors: torch.Tensor) -> dict[str, torch.Tensor]:
         """``sum_i factors_i g_i(p)``, shape ``p.shape``."""

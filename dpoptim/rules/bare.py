@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch import nn
 
 from .. import paths
 from ..registry import Rule, register_automatic
@@ -73,6 +74,9 @@ class BareParameterRule(Rule):
         self._calls: dict[int, list[_Call]] = {}
 
     def applies(self, module) -> bool:
+        # Batch norms in training mode mix examples: the engine reports those by name.
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            return False
         return any(p is not None for p in module._parameters.values())
 
     def enter(self, module, args):
@@ -81,6 +85,9 @@ class BareParameterRule(Rule):
     @contextlib.contextmanager
     def _context(self, module, args):
         call = _Call(module, args, self.lenient)
+        if not call.sources:  # all frozen: nothing to follow
+            yield
+            return
         stack = self._calls.setdefault(id(module), [])
         stack.append(call)
         try:

@@ -117,8 +117,9 @@ class EmbeddingRule(Rule):
             return use.cache["rows"]
         module, (indices, source), grad = use.module, use.saved, use.grad_outputs[0]
         if source is not None and source.grads:
-            grad = self._split(module, indices, source)
-            indices = indices.expand(grad.shape[0], *indices.shape[1:])
+            split = self._split(module, indices, source)
+            if split is not None:
+                grad, indices = split, indices.expand(split.shape[0], *indices.shape[1:])
         n, p = indices.shape[0], module.embedding_dim
         indices = indices.reshape(n, math.prod(indices.shape[1:]))
         if grad is None:
@@ -132,7 +133,8 @@ class EmbeddingRule(Rule):
     @staticmethod
     def _split(module, indices, source):
         """Per-example output gradients ``[n, *indices.shape[1:], p]`` of a lookup made
-        once for the batch, from the per-example copies where it met the batch."""
+        once for the batch, from the per-example copies where it met the batch (None: the
+        batch has one example, and the output's own gradient is its)."""
         label = f"the output of {paths.describe(module)}"
         grads = [source.grads.get(k) for k in range(len(source.uses))]
         g = per_example_of_uses(source.uses, grads, source.base, label)
@@ -143,6 +145,8 @@ class EmbeddingRule(Rule):
                 "which is not element-wise, where its examples cannot be told apart. Expand the "
                 "indices to the batch first (ids.expand(batch_size, -1))."
             )
+        if source.plain is not None:
+            return None  # a batch of one: the output's own gradient is that example's
         return g.reshape(g.shape[0], *g.shape[2:])
 
     def terms(self, use, name):

@@ -39,6 +39,7 @@ ones (timm's ``LayerNorm``, ``LayerNorm2d``).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -145,6 +146,15 @@ class _Splitter:
             "this computation a module with its own rule (@dpoptim.register_rule)."
         )
 
+    def combined(self, func, tracked) -> None:
+        """Where two shared tensors meet before either meets the batch."""
+        for _, info in tracked:
+            info.source.refuse(
+                f"{info.source.label} is combined with another shared tensor in "
+                f"`{_name(func) or func}` before it meets the batch; dpoptim follows one shared "
+                "tensor at a time. Combine them inside a module of their own with a rule."
+            )
+
     def is_batch(self, size: int) -> bool:
         return size == self.n if self.n is not None else size != 1
 
@@ -223,12 +233,7 @@ class _Splitter:
         if not tracked:
             return result
         if len(tracked) > 1:
-            for _, info in tracked:
-                info.source.refuse(
-                    f"{info.source.label} is combined with another shared tensor in "
-                    f"`{_name(func) or func}` before it meets the batch; dpoptim follows one shared "
-                    "tensor at a time. Combine them inside a module of their own with a rule."
-                )
+            self.combined(func, tracked)
             return result
         k, info = tracked[0]
         template = list(flat)
@@ -352,6 +357,11 @@ class _SubclassSplitter(_Splitter):
         # A batch of one: the lookup is that example's own. With more, the rule refuses.
         source.plain = source.plain or (_name(func) or str(func))
 
+    def combined(self, func, tracked):
+        # Two lookups with a first dim of 1 meeting: a batch of one (or the rule refuses).
+        for _, info in tracked:
+            self.plain_use(info.source, func)
+
 
 _SUBCLASS = _SubclassSplitter(None)
 
@@ -385,7 +395,7 @@ def _to_base(grad: torch.Tensor, steps, base: torch.Tensor) -> torch.Tensor:
     if not steps:
         return grad
     funcs = [_name(step[0][0]) for step in steps]
-    if all(f in _IN_PLACE_ORDER for f in funcs) and grad[0].numel() == base.numel():
+    if all(f in _IN_PLACE_ORDER for f in funcs) and math.prod(grad.shape[1:]) == base.numel():
         return grad.reshape(n, *base.shape)
     leaf = base.detach().requires_grad_()
     with torch.enable_grad():
