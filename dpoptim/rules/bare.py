@@ -25,6 +25,7 @@ would happen where this module's forward cannot see it).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -44,6 +45,10 @@ def batch_size(args, kwargs=None) -> int | None:
     return None
 
 
+def _label(name, module) -> str:
+    return f"parameter '{name}' of {paths.describe(module)}"
+
+
 class _Call:
     """One forward call of a module: its sources, mode and (after the forward) its uses."""
 
@@ -52,9 +57,8 @@ class _Call:
     def __init__(self, module, args, lenient):
         self.module = module
         self.args = args
-        where = paths.describe(module)
         self.sources = {
-            name: Source(p, f"parameter '{name}' of {where}", lenient)
+            name: Source(p, functools.partial(_label, name, module), lenient)
             for name, p in module._parameters.items()
             if p is not None and p.requires_grad
         }
@@ -142,7 +146,7 @@ def shared_per_example(module, saved, grads, names) -> dict[str, torch.Tensor]:
         picked = [(meta, g) for meta, g in zip(metas, grads) if meta[0] == name]
         g = per_example_of_uses(
             [(None, steps, padded) for _, steps, padded in (m for m, _ in picked)],
-            [g for _, g in picked], bases[name], f"parameter '{name}' of {paths.describe(module)}",
+            [g for _, g in picked], bases[name], functools.partial(_label, name, module),
         )
         out[name] = g
         if g is not None:

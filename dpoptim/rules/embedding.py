@@ -108,7 +108,7 @@ class EmbeddingRule(Rule):
         if indices.dim() < 2 or indices.shape[0] != 1 or not output.requires_grad:
             return None
         # One lookup for the whole batch: split it per example where it meets the batch.
-        alias, saved[1] = broadcast_alias(output, f"the output of {paths.describe(module)}")
+        alias, saved[1] = broadcast_alias(output, lambda: f"the output of {paths.describe(module)}")
         return alias
 
     def _rows(self, use: Use):
@@ -135,12 +135,11 @@ class EmbeddingRule(Rule):
         """Per-example output gradients ``[n, *indices.shape[1:], p]`` of a lookup made
         once for the batch, from the per-example copies where it met the batch (None: the
         batch has one example, and the output's own gradient is its)."""
-        label = f"the output of {paths.describe(module)}"
         grads = [source.grads.get(k) for k in range(len(source.uses))]
-        g = per_example_of_uses(source.uses, grads, source.base, label)
+        g = per_example_of_uses(source.uses, grads, source.base, lambda: source.label)
         if source.plain is not None and g.shape[0] != 1:
             raise SharedTensorError(
-                f"{label} (indices of shape {tuple(indices.shape)}, one lookup for the whole batch) "
+                f"{source.label} (indices of shape {tuple(indices.shape)}, one lookup for the whole batch) "
                 f"is broadcast against the batch in one place but also used in `{source.plain}`, "
                 "which is not element-wise, where its examples cannot be told apart. Expand the "
                 "indices to the batch first (ids.expand(batch_size, -1))."

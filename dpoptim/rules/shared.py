@@ -88,14 +88,19 @@ def _name(func) -> str:
 class Source:
     """One shared tensor (a parameter, or an embedding's output) and its uses in one call."""
 
-    def __init__(self, base: torch.Tensor, label: str, lenient: bool = False):
+    def __init__(self, base: torch.Tensor, label, lenient: bool = False):
         self.base = base
-        self.label = label  # "parameter 'pos' of `encoder` (mypkg.Encoder)", for errors
+        self._label = label  # "parameter 'pos' of `encoder` (mypkg.Encoder)", or a function making it
         self.lenient = lenient
         self.uses: list = []  # (E, steps, padded shape or None for a batch of one)
         self.refused: list[str] = []  # with lenient: what would have been refused
         self.plain: str | None = None  # an op that read it as batched with a batch of one
         self.grads: dict[int, torch.Tensor] = {}  # filled by hooks on E (the subclass route)
+
+    @property
+    def label(self) -> str:
+        """For error messages only: finding a module's path walks the model."""
+        return self._label if isinstance(self._label, str) else self._label()
 
     def refuse(self, message: str):
         if self.lenient:
@@ -433,7 +438,7 @@ def per_example_of_uses(uses, grads, base: torch.Tensor, label: str) -> torch.Te
         total = g if total is None else (total + g if total.shape == g.shape else None)
         if total is None:
             raise SharedTensorError(
-                f"{label} was used with different batch sizes ({sorted(sizes)}) in one forward: "
+                f"{label() if callable(label) else label} was used with different batch sizes ({sorted(sizes)}) in one forward: "
                 "it is broadcast against tensors whose first dimension is not the batch."
             )
     return total
