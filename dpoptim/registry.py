@@ -233,16 +233,14 @@ def rule_for(module: nn.Module) -> Rule | None:
 
 # Rules that apply without registration, tried in order when no rule is registered for a
 # module: each has ``applies(module) -> bool`` (see dpoptim.rules.lookalike, .bare).
-_AUTOMATIC: list[Rule] = []
+_AUTOMATIC: list[tuple[int, Rule]] = []
 
 
-def register_automatic(rule: Rule, last: bool = False) -> Rule:
-    """Add a rule that decides by itself which modules it covers (``rule.applies``)."""
-    if last:
-        _AUTOMATIC.append(rule)
-    else:
-        _AUTOMATIC.insert(len([r for r in _AUTOMATIC if not getattr(r, "_last", False)]), rule)
-    rule._last = last
+def register_automatic(rule: Rule, order: int) -> Rule:
+    """Add a rule that decides by itself which modules it covers (``rule.applies``);
+    lower ``order`` is tried first."""
+    _AUTOMATIC.append((order, rule))
+    _AUTOMATIC.sort(key=lambda item: item[0])
     return rule
 
 
@@ -254,7 +252,7 @@ def resolve_rule(module: nn.Module) -> Rule | None:
     rule = rule_for(module)
     if rule is not None:
         return rule
-    for candidate in _AUTOMATIC:
+    for _, candidate in _AUTOMATIC:
         if candidate.applies(module):
             return candidate
     return None

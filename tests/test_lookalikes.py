@@ -185,3 +185,49 @@ def test_a_rule_registered_for_a_lookalike_wins():
     check_rule_case(lambda: nn.Sequential(Custom(D, D), nn.Tanh()).double(), (x,),
                     torch.randn(3, 2, D, dtype=torch.float64), lambda m, x: m(x), mse)
     assert seen
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Gemma's and BART's word embedding: the lookup times a constant buffer."""
+
+    def __init__(self, *args, scale=2.5, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("embed_scale", torch.tensor(scale), persistent=False)
+
+    def forward(self, ids):
+        return super().forward(ids) * self.embed_scale.to(self.weight.dtype)
+
+
+class TiedScaled(nn.Module):
+    def __init__(self, padding_idx):
+        super().__init__()
+        self.emb = ScaledEmbedding(6, D, padding_idx=padding_idx)
+        self.out = nn.Linear(D, 6, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.emb(ids)))
+
+
+@given(n=st.integers(0, 4), length=st.integers(1, 3), padding=st.sampled_from([None, 0]),
+       reduction=st.sampled_from(["mean", "sum"]))
+def test_scaled_embedding_subclass_matches_oracle(n, length, padding, reduction):
+    g = torch.Generator().manual_seed(n * 3 + length)
+    ids = torch.randint(0, 6, (n, length), generator=g)
+    y = torch.randn(n, length, 6, generator=g, dtype=torch.float64)
+    check_rule_case(lambda: TiedScaled(padding).double(), (ids,), y, lambda m, x: m(x), mse, reduction=reduction)
+
+
+def test_embedding_subclass_that_is_not_a_scaled_lookup_is_refused():
+    class Squared(nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) ** 2
+
+    model = nn.Sequential(Squared(5, 3), nn.Linear(3, 1))
+    opt = dpoptim.DPSGD(model.parameters(), lr=0.1, noise_multiplier=0.0, max_grad_norm=1.0,
+                        expected_batch_size=4, sample_rate=0.1)  # noqa: F841
+    with torch.no_grad():
+        model[0].weight.normal_()
+    with pytest.raises(ValueError, match=r"`0` \(test_lookalikes\..*Squared\) is a subclass of nn.Embedding that "
+                                         r"overrides forward.*not a constant times.*register_rule"):
+        model(torch.randint(0, 5, (4, 2)))

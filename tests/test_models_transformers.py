@@ -34,6 +34,14 @@ def llama():
     return transformers.LlamaForCausalLM(config)
 
 
+def gemma():
+    # GemmaRMSNorm: x_hat * (1 + w); a scaled word embedding (an nn.Embedding subclass), tied
+    config = transformers.GemmaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                      max_position_embeddings=16)
+    return transformers.GemmaForCausalLM(config)
+
+
 def _logits(model, ids):
     return model(input_ids=ids).logits
 
@@ -59,6 +67,11 @@ def test_llama_matches_oracle(n):
     # LlamaRMSNorm: a hand-written RMS norm whose weight is a bare parameter
     ids = _ids(n, 2)
     check_model(llama, (ids,), ids, _logits, token_mean_loss)
+
+
+def test_gemma_matches_oracle():
+    ids = _ids(3, 4)
+    check_model(gemma, (ids,), ids, _logits, token_mean_loss)
 
 
 @pytest.mark.parametrize("make", [gpt2, llama], ids=["gpt2", "llama"])

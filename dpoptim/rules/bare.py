@@ -160,4 +160,4 @@ def shared_per_example(module, saved, grads, names) -> dict[str, torch.Tensor]:
     return out
 
 
-register_automatic(BareParameterRule(), last=True)
+register_automatic(BareParameterRule(), order=100)

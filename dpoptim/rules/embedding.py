@@ -115,7 +115,7 @@ class EmbeddingRule(Rule):
         """Indices ``[n, T]`` and output gradients ``[n, T, p]``, zero at padding positions."""
         if "rows" in use.cache:
             return use.cache["rows"]
-        module, (indices, source), grad = use.module, use.saved, use.grad_outputs[0]
+        module, indices, source, grad = use.module, use.saved[0], use.saved[1], use.grad_outputs[0]
         if source is not None and source.grads:
             split = self._split(module, indices, source)
             if split is not None:

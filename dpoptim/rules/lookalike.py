@@ -1,4 +1,6 @@
-"""Look-alikes of ``nn.Linear``: modules with no registered rule whose parameters are a 2-D
+"""Look-alikes of stock layers, proved on their own inputs.
+
+**nn.Linear.** Modules with no registered rule whose parameters are a 2-D
 ``weight`` and an optional 1-D ``bias``, and whose forward computes a linear layer, in
 ``nn.Linear``'s layout (``y = x W^T + b``, weight ``[out, in]``: a subclass of ``nn.Linear``
 that overrides ``forward``) or transposed (``y = x W + b``, weight ``[in, out]``: Hugging
@@ -17,6 +19,14 @@ A module that fails the proof is not refused for that alone: its parameters were
 during the forward as bare parameters (:mod:`dpoptim.rules.bare`), and if every use was
 element-wise, that rule's per-example gradients apply. Otherwise the error says both why
 the module is not a Linear layer and where its parameters met the batch.
+
+**nn.Embedding subclasses** that override ``forward`` (scaled word embeddings: Gemma's,
+BART's ``super().forward(ids) * embed_scale``): proved, on each call, to output
+``c * F.embedding(ids, W, padding_idx)`` for one constant ``c`` (fitted by least squares,
+checked on every element); then ``g_i = c * (the lookup's g_i)`` with the output gradient
+scaled by ``c``, and everything of :mod:`dpoptim.rules.embedding` applies. A ``c`` that
+depends on ``W`` itself would pass this check but not the engine's first-step comparison
+with autograd.
 """
 
 from __future__ import annotations
@@ -25,14 +35,16 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .. import paths
 from ..registry import Use, register_automatic
 from .bare import BareParameterRule, shared_per_example
+from .embedding import EmbeddingRule
 from .linear import LinearRule
 from .shared import SharedTensorError
 
-__all__ = ["LinearLookalikeRule"]
+__all__ = ["LinearLookalikeRule", "EmbeddingLookalikeRule"]
 
 _LINEAR = LinearRule()
 
@@ -152,4 +164,44 @@ class LinearLookalikeRule(BareParameterRule):
         return found
 
 
-register_automatic(LinearLookalikeRule())
+register_automatic(LinearLookalikeRule(), order=20)
+
+
+class EmbeddingLookalikeRule(EmbeddingRule):
+    """A subclass of nn.Embedding with its own forward, proved to scale the lookup."""
+
+    def applies(self, module) -> bool:
+        params = {n for n, p in module._parameters.items() if p is not None}
+        return isinstance(module, nn.Embedding) and params == {"weight"}
+
+    def save(self, module, args, kwargs, output):
+        indices = args[0] if args else next(iter(kwargs.values()), None)
+        saved = super().save(module, (indices,), {}, output)
+        why = "its output is not a tensor of the lookup's shape"
+        if isinstance(output, torch.Tensor):
+            with torch.no_grad():
+                lookup = F.embedding(indices, module.weight, module.padding_idx).to(output.dtype)
+                if lookup.shape == output.shape:
+                    wide = torch.promote_types(output.dtype, torch.float32)
+                    lk, out = lookup.to(wide), output.detach().to(wide)
+                    denominator = float(lk.square().sum())
+                    c = float((lk * out).sum()) / denominator if denominator > 0 else 1.0
+                    error = float((out - c * lk).abs().max()) if out.numel() else 0.0
+                    scale = float(out.abs().max()) if out.numel() else 0.0
+                    if error <= _tolerance(output.dtype) * max(scale, 1e-30):
+                        return [*saved, c]
+                    why = f"its output is not a constant times nn.Embedding's (max difference {error:.2e})"
+        raise SharedTensorError(
+            f"{paths.describe(module)} is a subclass of nn.Embedding that overrides forward, and "
+            f"{why}, so nn.Embedding's rule cannot be used. Register a rule for it: "
+            f"@dpoptim.register_rule({type(module).__qualname__}) (see docs/rules.md)."
+        )
+
+    def _rows(self, use):
+        if "rows" not in use.cache:
+            indices, b = super()._rows(use)
+            use.cache["rows"] = (indices, b * use.saved[2])
+        return use.cache["rows"]
+
+
+register_automatic(EmbeddingLookalikeRule(), order=10)
