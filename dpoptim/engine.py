@@ -233,6 +233,7 @@ class GradEngine:
         self._contexts: dict[int, list] = {}  # module -> the rule's forward contexts now entered
         self._ghosts: set[int] = set()  # parameters autograd no longer reaches through their module
         self._kept: set[int] = set()  # parameters some call left attached: autograd reaches them
+        self._handles += paths.track()  # module paths for error messages; first, so they know the root
         self._handles += [
             nn.modules.module.register_module_forward_pre_hook(functools.partial(_forward_pre_hook, self._ref)),
             nn.modules.module.register_module_forward_hook(

@@ -1,9 +1,10 @@
 """Where a module sits in the model, for error messages: ``encoder.layer.0.norm`` and the
 class's full name (``timm.layers.norm.LayerNorm``).
 
-A module does not know its own name; its parent does. Two process-wide hooks note the
-outermost module of the forward pass running now (or last run), and a module's path is
-looked up in that module's ``named_modules()`` when an error needs it.
+A module does not know its own name; its parent does. Two process-wide hooks, installed
+by each clipping engine for its lifetime (:func:`track`), note the outermost module of the
+forward pass running now (or last run), and a module's path is looked up in that module's
+``named_modules()`` when an error needs it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import weakref
 
 from torch import nn
 
-__all__ = ["class_name", "path_of", "describe"]
+__all__ = ["class_name", "path_of", "describe", "track"]
 
 _state = threading.local()
 
@@ -29,10 +30,13 @@ def _leave(module, args, output):
     _state.depth = max(getattr(_state, "depth", 1) - 1, 0)
 
 
-_HANDLES = (
-    nn.modules.module.register_module_forward_pre_hook(_enter),
-    nn.modules.module.register_module_forward_hook(_leave, always_call=True),
-)
+def track() -> list:
+    """Install the hooks; returns their handles (remove them to stop). Several pairs may be
+    installed at once: each pair counts the same depth up and down."""
+    return [
+        nn.modules.module.register_module_forward_pre_hook(_enter),
+        nn.modules.module.register_module_forward_hook(_leave, always_call=True),
+    ]
 
 
 def class_name(module_or_class) -> str:
