@@ -573,8 +573,10 @@ class GradEngine:
             raise RuntimeError(
                 f"the layers of one backward() disagree on the number of examples ({found}): a "
                 "layer received a tensor whose first dimension is not the batch, such as a sequence-first "
-                "[T, n, d] output. Per-example rules read examples from dimension 0: use batch_first=True "
-                "or transpose before such layers."
+                "[T, n, d] output, or indices without the batch dimension (a lookup shared by all examples "
+                "needs a first dimension of 1, as position ids [1, T] have). Per-example rules read "
+                "examples from dimension 0: use batch_first=True, transpose, or give shared indices a "
+                "leading dimension of 1."
             )
         total = functools.reduce(torch.add, (_wide(s) for s in squared))
 

@@ -115,7 +115,9 @@ class EmbeddingRule(Rule):
         """Indices ``[n, T]`` and output gradients ``[n, T, p]``, zero at padding positions."""
         if "rows" in use.cache:
             return use.cache["rows"]
-        module, indices, source, grad = use.module, use.saved[0], use.saved[1], use.grad_outputs[0]
+        module, saved, grad = use.module, use.saved, use.grad_outputs[0]
+        # saved: [indices, shared-lookup source or None], or the indices alone (a Use built by hand)
+        indices, source = (saved, None) if isinstance(saved, torch.Tensor) else (saved[0], saved[1])
         if source is not None and source.grads:
             split = self._split(module, indices, source)
             if split is not None:
