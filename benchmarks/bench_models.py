@@ -29,7 +29,6 @@ import datetime
 import importlib.util
 import json
 import os
-import platform
 import statistics
 import time
 import warnings
@@ -255,7 +254,7 @@ def _cell(result, mode):
     return f"{result['ratio'][mode]:.2f}x ({result['ms'][mode]:.1f} ms)"
 
 
-def render(rows, meta) -> str:
+def render(rows) -> str:
     lines = [
         START,
         "## Real models (CPU, batch 8)",
@@ -266,7 +265,12 @@ def render(rows, meta) -> str:
         "batch 8; every mode trains its own copy in one process, taking turns; the ratio is the median "
         "over rounds of (mode's step / non-private SGD step of the same round), lower is better. Opacus "
         "runs its per-sample hooks (`GradSampleModule`, with its functorch fallback) on the same unmodified "
-        "model. dpoptim's first step, which also checks every rule against autograd, is shown apart.",
+        "model. dpoptim's first step, which also checks every rule against autograd, is shown apart. "
+        "The rows were measured on a shared 2-core machine under other load, in the environment "
+        "named in the last column (timm and torchvision need a torch build of their own): absolute "
+        "times are inflated and differ between rows; the ratios, medians of pairs of steps taken "
+        "back to back, are what to compare. Opacus' per-sample gradients are not checked here "
+        "(dpoptim's are, by the tests of docs/recipes.md).",
         "",
         "| model | non-private | dpoptim | Opacus 1.6 (hooks) | dpoptim first step | run |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -289,6 +293,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", choices=sorted(MODELS), action="append")
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks_models.json and benchmarks.md")
+    parser.add_argument("--render-only", action="store_true", help="rewrite the section from the JSON, measure nothing")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
@@ -300,7 +305,7 @@ def main(argv=None):
     if os.path.exists(JSON_PATH):
         with open(JSON_PATH) as f:
             rows = json.load(f)
-    for name in args.only or list(MODELS):
+    for name in [] if args.render_only else args.only or list(MODELS):
         library = MODELS[name][0]
         if library != "torch" and not _has(library):
             print(f"{name:12s} skipped: {library} is not installed")
@@ -314,11 +319,10 @@ def main(argv=None):
         result["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
         rows[name] = result
         print(f"{name:12s} " + "  ".join(f"{m} {_cell(result, m)}" for m in ("non-private", "dpoptim", "opacus")))
-    if args.write:
+    if args.write or args.render_only:
         with open(JSON_PATH, "w") as f:
             json.dump(rows, f, indent=1, sort_keys=True)
-        meta = {"machine": platform.processor() or platform.machine()}
-        section = render(rows, meta)
+        section = render(rows)
         with open(MD_PATH) as f:
             text = f.read()
         if START in text:
