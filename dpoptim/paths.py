@@ -30,13 +30,41 @@ def _leave(module, args, output):
     _state.depth = max(getattr(_state, "depth", 1) - 1, 0)
 
 
+class _Tracking:
+    """One engine's claim on the hooks: they are installed while any claim is held."""
+
+    def __init__(self):
+        self.held = True
+
+    def remove(self) -> None:
+        if self.held:
+            self.held = False
+            _release()
+
+
+_installed: list = []  # the two hook handles while installed
+_claims = [0]
+
+
+def _release() -> None:
+    _claims[0] -= 1
+    if _claims[0] == 0:
+        for handle in _installed:
+            handle.remove()
+        _installed.clear()
+
+
 def track() -> list:
-    """Install the hooks; returns their handles (remove them to stop). Several pairs may be
-    installed at once: each pair counts the same depth up and down."""
-    return [
-        nn.modules.module.register_module_forward_pre_hook(_enter),
-        nn.modules.module.register_module_forward_hook(_leave, always_call=True),
-    ]
+    """Install the hooks (once for all engines); returns handles whose ``remove()`` gives up
+    this claim. The hooks go when the last claim does."""
+    if _claims[0] == 0:
+        _state.depth = 0  # a forward cut short by removal mid-call leaves nothing behind
+        _installed[:] = [
+            nn.modules.module.register_module_forward_pre_hook(_enter),
+            nn.modules.module.register_module_forward_hook(_leave, always_call=True),
+        ]
+    _claims[0] += 1
+    return [_Tracking()]
 
 
 def class_name(module_or_class) -> str:
