@@ -194,3 +194,21 @@ def test_position_lookup_used_other_than_elementwise_with_a_batch_is_refused():
     with pytest.raises(Exception, match=r"the output of `pos` \(torch.nn.Embedding\).*Expand the indices"):
         model(torch.randn(3, T, D, dtype=torch.float64)).sum().backward()
         opt.step()
+
+
+class WithTable(nn.Module):
+    """A buffer whose first dim happens to equal the batch size: it carries no examples."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.randn(4, D))
+        self.scale = nn.Parameter(torch.randn(D))
+
+    def forward(self, x):
+        return x + (self.scale * self.table).mean(0)
+
+
+def test_buffer_the_size_of_the_batch_is_not_taken_for_the_batch():
+    x = torch.randn(4, D, dtype=torch.float64)
+    check_rule_case(lambda: nn.Sequential(nn.Linear(D, D), WithTable(), nn.Tanh()).double(), (x,),
+                    torch.randn(4, D, dtype=torch.float64), lambda m, x: m(x), mse)

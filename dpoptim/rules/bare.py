@@ -63,7 +63,9 @@ class _Call:
             if p is not None and p.requires_grad
         }
         tracked = {id(module._parameters[name]): (module._parameters[name], s) for name, s in self.sources.items()}
-        self.mode = SharedMode(tracked, batch_size(args))
+        # The module's buffers carry no examples, whatever their first dimension.
+        constants = frozenset(id(b) for b in module.buffers())
+        self.mode = SharedMode(tracked, batch_size(args), constants)
         self.outputs = None
         self.metas = None
         self.route = None

@@ -128,8 +128,9 @@ class _Splitter:
     follows ops on the shared tensor alone, refuses the rest. ``n`` is the batch size when
     known (the first tensor argument of the module's call), else None."""
 
-    def __init__(self, n: int | None):
+    def __init__(self, n: int | None, constants: frozenset = frozenset()):
         self.n = n
+        self.constants = constants  # ids of tensors known to carry no examples (the module's buffers)
 
     # The two front ends (mode, subclass) differ in how they mark and find tracked tensors.
     def info(self, t) -> _Info | None:
@@ -165,7 +166,7 @@ class _Splitter:
 
     def batched(self, t: torch.Tensor, out_dims: int, out_first: int) -> bool:
         """Whether a plain (untracked) operand carries the example axis in front."""
-        if t.dim() != out_dims or out_dims == 0 or t.shape[0] != out_first:
+        if t.dim() != out_dims or out_dims == 0 or t.shape[0] != out_first or id(t) in self.constants:
             return False
         return self.n is None or out_first == self.n
 
@@ -199,6 +200,7 @@ class _Splitter:
                 self.record(info.source, out, info.steps, padded)
                 return out
             return self.follow(func, flat, spec, tracked, result=out)
+        plain = [t for t in plain if id(t) not in self.constants]
         if self.n is not None:
             batch = [t for t in plain if t.dim() and t.shape[0] == self.n]
         else:
@@ -283,12 +285,12 @@ class _Splitter:
 class SharedMode(TorchFunctionMode):
     """Active during one call of a module: follows that module's own parameters."""
 
-    def __init__(self, sources: dict[int, tuple[torch.Tensor, Source]], n: int | None):
+    def __init__(self, sources: dict[int, tuple[torch.Tensor, Source]], n: int | None, constants=frozenset()):
         super().__init__()
         self.tracked: dict[int, tuple[torch.Tensor, _Info]] = {
             pid: (p, _Info(source)) for pid, (p, source) in sources.items()
         }
-        splitter = _Splitter(n)
+        splitter = _Splitter(n, constants)
         splitter.info = self._info
         splitter.track = self._track
         self.splitter = splitter
