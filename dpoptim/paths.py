@@ -30,28 +30,38 @@ def _leave(module, args, output):
     _state.depth = max(getattr(_state, "depth", 1) - 1, 0)
 
 
-class _Tracking:
-    """One engine's claim on the hooks: they are installed while any claim is held."""
+class _Claim:
+    """One engine's claim on the hooks: they stay installed while any claim is held."""
 
     def __init__(self):
         self.held = True
 
-    def remove(self) -> None:
+    def release(self) -> None:
         if self.held:
             self.held = False
-            _release()
+            _claims[0] -= 1
+            if _claims[0] == 0:
+                for handle in _installed:
+                    handle.remove()
+                _installed.clear()
+
+
+class _Handle:
+    """Looks like the hook's ``RemovableHandle`` (code that pauses an engine's global hooks
+    reads ``id`` and the dict references), but ``remove()`` gives up the engine's claim."""
+
+    def __init__(self, handle, claim: _Claim):
+        self._handle, self._claim = handle, claim
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+    def remove(self) -> None:
+        self._claim.release()
 
 
 _installed: list = []  # the two hook handles while installed
 _claims = [0]
-
-
-def _release() -> None:
-    _claims[0] -= 1
-    if _claims[0] == 0:
-        for handle in _installed:
-            handle.remove()
-        _installed.clear()
 
 
 def track() -> list:
@@ -64,7 +74,8 @@ def track() -> list:
             nn.modules.module.register_module_forward_hook(_leave, always_call=True),
         ]
     _claims[0] += 1
-    return [_Tracking()]
+    claim = _Claim()
+    return [_Handle(handle, claim) for handle in _installed]
 
 
 def class_name(module_or_class) -> str:
