@@ -563,13 +563,13 @@ class GradEngine:
             names = own(record)
             if names:
                 norms = self._checked_norms(record, use, names)
-                sizes.add((paths.describe(record.module), norms[0].shape[0]))
+                sizes.add((record.module, norms[0].shape[0]))  # described only if the sizes disagree
                 squared.extend(norms)
         squared.extend(_norms_of_terms(terms) for terms in factored.values())
         shared = self._shared_per_example(uses, counts, skip=by_terms)
         squared.extend(g.flatten(1).square().sum(1) for g in shared.values())
         if len({s.shape[0] for s in squared}) > 1:
-            found = ", ".join(f"{name}: {n}" for name, n in sorted(sizes))
+            found = ", ".join(sorted(f"{paths.describe(module)}: {n}" for module, n in sizes))
             raise RuntimeError(
                 f"the layers of one backward() disagree on the number of examples ({found}): a "
                 "layer received a tensor whose first dimension is not the batch, such as a sequence-first "
