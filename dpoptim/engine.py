@@ -37,7 +37,8 @@ from torch import nn
 
 from .errors import PrivacyWarning, UnsupportedLayerError
 from .privatize import clip_factors
-from .registry import Use, rule_for
+from . import paths
+from .registry import Use, resolve_rule
 
 __all__ = ["GradEngine"]
 
@@ -253,7 +254,7 @@ class GradEngine:
         self.loss_reduction = loss_reduction
         self._params: dict[int, torch.Tensor] = {}
         self._names: dict[int, str] = {}
-        self._owners: dict[int, tuple[str, str]] = {}
+        self._owners: dict[int, tuple] = {}  # id(param) -> (weakref to its module, its name there)
         self._decisions = weakref.WeakKeyDictionary()
         self._open: _Group | None = None
         self._handles: list = []
@@ -271,6 +272,7 @@ class GradEngine:
         self._contexts: dict[int, list] = {}  # module -> the rule's forward contexts now entered
         self._ghosts: set[int] = set()  # parameters autograd no longer reaches through their module
         self._kept: set[int] = set()  # parameters some call left attached: autograd reaches them
+        self._handles += paths.track()  # module paths for error messages; first, so they know the root
         self._handles += [
             nn.modules.module.register_module_forward_pre_hook(functools.partial(_forward_pre_hook, self._ref)),
             nn.modules.module.register_module_forward_hook(
@@ -364,9 +366,9 @@ class GradEngine:
             self._warn_replaced(module, cached[1][1])
         for name, p in module._parameters.items():
             if p is not None and id(p) in self._params:
-                self._owners.setdefault(id(p), (type(module).__name__, name))
+                self._owners.setdefault(id(p), (weakref.ref(module), name))
         decision = None
-        rule = rule_for(module)
+        rule = resolve_rule(module)
         if rule is not None:
             claimed = [(n, p) for n, p in rule.parameters(module).items() if id(p) in self._params]
             if claimed:
@@ -385,7 +387,7 @@ class GradEngine:
         if decision is None:
             return
         decision[0].check(module)
-        context = decision[0].forward_context(module)
+        context = decision[0].enter(module, args)
         if context is not None:
             context.__enter__()
             self._contexts.setdefault(id(module), []).append(context)
@@ -493,6 +495,8 @@ class GradEngine:
             replaced = self._stand_in(record, args, kwargs, output, outputs)
             if replaced is not None:
                 outputs = rule.outputs(module, replaced)
+        if replaced is None:
+            replaced = rule.replace_output(module, record.saved, output)
         for index, t in enumerate(outputs):
             if t.requires_grad:
                 t.register_hook(functools.partial(_output_grad_hook, self._ref, record, index))
@@ -662,18 +666,20 @@ class GradEngine:
             names = own(record)
             if names:
                 norms = self._checked_norms(record, use, names)
-                sizes.add((type(record.module).__name__, norms[0].shape[0]))
+                sizes.add((record.module, norms[0].shape[0]))  # described only if the sizes disagree
                 squared.extend(norms)
         squared.extend(_norms_of_terms(terms) for terms in factored.values())
         shared = self._shared_per_example(uses, counts, skip=by_terms)
         squared.extend(g.flatten(1).square().sum(1) for g in shared.values())
         if len({s.shape[0] for s in squared}) > 1:
-            found = ", ".join(f"{name}: {n}" for name, n in sorted(sizes))
+            found = ", ".join(sorted(f"{paths.describe(module)}: {n}" for module, n in sizes))
             raise RuntimeError(
                 f"the layers of one backward() disagree on the number of examples ({found}): a "
                 "layer received a tensor whose first dimension is not the batch, such as a sequence-first "
-                "[T, n, d] output. Per-example rules read examples from dimension 0: use batch_first=True "
-                "or transpose before such layers."
+                "[T, n, d] output, or indices without the batch dimension (a lookup shared by all examples "
+                "needs a first dimension of 1, as position ids [1, T] have). Per-example rules read "
+                "examples from dimension 0: use batch_first=True, transpose, or give shared indices a "
+                "leading dimension of 1."
             )
         total = functools.reduce(torch.add, (_wide(s) for s in squared))
 
@@ -802,17 +808,21 @@ class GradEngine:
         if id(p) in self._names:
             return f"parameter '{self._names[id(p)]}' (shape {tuple(p.shape)})"
         if id(p) in self._owners:
-            cls, name = self._owners[id(p)]
-            return f"parameter '{name}' of {cls} (shape {tuple(p.shape)})"
+            return f"parameter '{self._owners[id(p)][1]}' of {self._owner_name(p)} (shape {tuple(p.shape)})"
         return f"a parameter of shape {tuple(p.shape)}"
+
+    def _owner_name(self, p) -> str:
+        module = self._owners[id(p)][0]()
+        return "a deleted module" if module is None else paths.describe(module)
 
     def _uncovered_message(self, p) -> str:
         what = self._describe(p)
         if id(p) in self._owners:
-            cls = self._owners[id(p)][0]
             how = (
-                f"no rule is registered for {cls}. Register one with @dpoptim.register_rule({cls}) "
-                "(see docs/rules.md)"
+                f"no rule saw the call that used it: it is read outside {self._owner_name(p)}'s own "
+                "forward (a parent module or a function using it directly), where its examples cannot "
+                "be told apart. Use it inside its own module's forward, or register a rule for the "
+                "module whose forward uses it (@dpoptim.register_rule, see docs/rules.md)"
             )
         else:
             how = "it was used outside any module call dpoptim can see (a raw tensor in a functional call?)"

@@ -36,12 +36,13 @@ Register a rule with :func:`register_rule`; built-in rules use the same door.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-__all__ = ["Rule", "Use", "register_rule", "rule_for", "registered_rules"]
+__all__ = ["Rule", "Use", "register_rule", "rule_for", "registered_rules", "resolve_rule"]
 
 
 @dataclasses.dataclass
@@ -89,6 +90,17 @@ class Rule:
         """Optional: a context manager the module's forward runs in (entered after
         :meth:`check`, left when the forward returns or raises), or None. For a kernel
         setting that makes the forward replayable."""
+        return None
+
+    def enter(self, module: nn.Module, args: tuple):
+        """Optional: like :meth:`forward_context`, but given the call's positional inputs.
+        By default :meth:`forward_context`."""
+        return self.forward_context(module)
+
+    def replace_output(self, module: nn.Module, saved: Any, output: Any) -> Any:
+        """Optional: a replacement for the module's output (an alias of it that carries
+        something on), or None to keep it. Called after :meth:`save`; the gradients the
+        rule receives are still those of the tensors :meth:`outputs` returned."""
         return None
 
     def attached(self, module: nn.Module, names: list[str]) -> str | None:
@@ -143,7 +155,9 @@ class Rule:
     def norms(self, use: Use, names: list[str]) -> dict[str, torch.Tensor]:
         """Per-example squared norms ``||g_i(p)||^2``, shape ``[n]``."""
         grads = self._per_example_cached(use, names)
-        return {name: grads[name].flatten(1).square().sum(1) for name in names}
+        # reshape, not flatten(1): a scalar parameter's gradients are [n], and n may be 0
+        return {name: g.reshape(g.shape[0], math.prod(g.shape[1:])).square().sum(1)
+                for name, g in ((name, grads[name]) for name in names)}
 
     def clipped_sum(self, use: Use, names: list[str], factors: torch.Tensor) -> dict[str, torch.Tensor]:
         """``sum_i factors_i g_i(p)``, shape ``p.shape``."""
@@ -214,6 +228,33 @@ def rule_for(module: nn.Module) -> Rule | None:
     for base in cls.__mro__[1:]:
         if base in _RULES:
             return _RULES[base] if cls.forward is base.forward else None
+    return None
+
+
+# Rules that apply without registration, tried in order when no rule is registered for a
+# module: each has ``applies(module) -> bool`` (see dpoptim.rules.lookalike, .bare).
+_AUTOMATIC: list[tuple[int, Rule]] = []
+
+
+def register_automatic(rule: Rule, order: int) -> Rule:
+    """Add a rule that decides by itself which modules it covers (``rule.applies``);
+    lower ``order`` is tried first."""
+    _AUTOMATIC.append((order, rule))
+    _AUTOMATIC.sort(key=lambda item: item[0])
+    return rule
+
+
+def resolve_rule(module: nn.Module) -> Rule | None:
+    """The rule the engine uses for ``module``: the registered one (:func:`rule_for`), else
+    the first automatic rule that applies: a look-alike of a stock layer, proved on the
+    call's own inputs (:mod:`dpoptim.rules.lookalike`), or the bare-parameter rule for a
+    module that uses its own parameters directly (:mod:`dpoptim.rules.bare`)."""
+    rule = rule_for(module)
+    if rule is not None:
+        return rule
+    for _, candidate in _AUTOMATIC:
+        if candidate.applies(module):
+            return candidate
     return None
 
 

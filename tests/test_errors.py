@@ -64,24 +64,25 @@ def test_defaults_follow_from_dataset_size():
     assert opt.sample_rate == pytest.approx(0.05)
 
 
-class Scale(nn.Module):
-    """A custom layer with a raw parameter and no rule."""
+class Mixing(nn.Module):
+    """A custom layer without a rule whose own parameter meets the batch in an einsum:
+    nothing says which part of its gradient belongs to which example."""
 
     def __init__(self):
         super().__init__()
-        self.gain = nn.Parameter(torch.ones(3))
+        self.gain = nn.Parameter(torch.ones(3, 3, 2))
 
     def forward(self, x):
-        return x * self.gain
+        return torch.einsum("ni,ijk->njk", x, self.gain)
 
 
-def test_layer_without_rule_fails_at_step_naming_class_parameter_and_fix():
-    model = nn.Sequential(nn.Linear(4, 3), Scale())
+def test_layer_that_cannot_be_split_fails_naming_path_class_parameter_and_fix():
+    model = nn.Sequential(nn.Linear(4, 3), Mixing())
     before = [p.detach().clone() for p in model.parameters()]
     opt = make_opt(model.parameters())
     opt.zero_grad()
-    model(torch.randn(5, 4)).sum().backward()
-    with pytest.raises(UnsupportedLayerError, match=r"'gain' of Scale.*register_rule\(Scale\)"):
+    with pytest.raises(ValueError, match=r"'gain' of `1` \(test_errors.Mixing\) meets the batch in `einsum`.*register_rule"):
+        model(torch.randn(5, 4)).sum().backward()
         opt.step()
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert opt.ledger == ()

@@ -6,3 +6,5 @@ from . import embedding  # noqa: F401
 from . import linear  # noqa: F401
 from . import norm  # noqa: F401
 from . import rnn  # noqa: F401
+from . import lookalike  # noqa: F401  (automatic rules: tried in this order)
+from . import bare  # noqa: F401

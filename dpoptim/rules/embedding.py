@@ -36,6 +36,14 @@ forward time, so ties resolve exactly as autograd resolves them):
 ``scale_grad_by_freq=True`` divides each row's gradient by how often its index occurs in
 the whole batch, so one example's gradient depends on the others: refused. ``max_norm``
 renormalises looked-up rows in place, which reveals the batch: refused.
+
+Indices with a batch dimension of 1 (Hugging Face's ``position_ids`` of shape ``[1, T]``)
+look up rows once for the whole batch; the output ``[1, T, p]`` is then broadcast against
+the batch (``inputs_embeds + position_embeds``). Every example uses the same rows: an
+ordinary shared use, whose per-example output gradients autograd would add up at the
+broadcast. The output is handed on as an alias that, where it meets the batch, reads one
+explicit copy per example (see :mod:`dpoptim.rules.shared`); the rule then sees output
+gradients ``[n, T, p]`` and the indices expanded to ``[n, T]``, and everything above applies.
 """
 
 from __future__ import annotations
@@ -46,7 +54,9 @@ import torch
 from torch import nn
 
 from ..registry import Rule, Use, register_rule
+from .. import paths
 from ._common import batched, batched_dot, common_dtype, squared_norms
+from .shared import SharedTensorError, broadcast_alias, per_example_of_uses
 
 __all__ = ["EmbeddingRule", "EmbeddingBagRule"]
 
@@ -91,13 +101,27 @@ class EmbeddingRule(Rule):
 
     def save(self, module, args, kwargs, output):
         indices = args[0] if args else kwargs["input"]
-        return batched(indices, module, "input", min_dim=1)
+        return [batched(indices, module, "input", min_dim=1), None]
+
+    def replace_output(self, module, saved, output):
+        indices = saved[0]
+        if indices.dim() < 2 or indices.shape[0] != 1 or not output.requires_grad:
+            return None
+        # One lookup for the whole batch: split it per example where it meets the batch.
+        alias, saved[1] = broadcast_alias(output, lambda: f"the output of {paths.describe(module)}")
+        return alias
 
     def _rows(self, use: Use):
         """Indices ``[n, T]`` and output gradients ``[n, T, p]``, zero at padding positions."""
         if "rows" in use.cache:
             return use.cache["rows"]
-        module, indices, grad = use.module, use.saved, use.grad_outputs[0]
+        module, saved, grad = use.module, use.saved, use.grad_outputs[0]
+        # saved: [indices, shared-lookup source or None], or the indices alone (a Use built by hand)
+        indices, source = (saved, None) if isinstance(saved, torch.Tensor) else (saved[0], saved[1])
+        if source is not None and source.grads:
+            split = self._split(module, indices, source)
+            if split is not None:
+                grad, indices = split, indices.expand(split.shape[0], *indices.shape[1:])
         n, p = indices.shape[0], module.embedding_dim
         indices = indices.reshape(n, math.prod(indices.shape[1:]))
         if grad is None:
@@ -107,6 +131,24 @@ class EmbeddingRule(Rule):
             b = b.masked_fill((indices == module.padding_idx).unsqueeze(-1), 0)
         use.cache["rows"] = (indices, b)
         return use.cache["rows"]
+
+    @staticmethod
+    def _split(module, indices, source):
+        """Per-example output gradients ``[n, *indices.shape[1:], p]`` of a lookup made
+        once for the batch, from the per-example copies where it met the batch (None: the
+        batch has one example, and the output's own gradient is its)."""
+        grads = [source.grads.get(k) for k in range(len(source.uses))]
+        g = per_example_of_uses(source.uses, grads, source.base, lambda: source.label)
+        if source.plain is not None and g.shape[0] != 1:
+            raise SharedTensorError(
+                f"{source.label} (indices of shape {tuple(indices.shape)}, one lookup for the whole batch) "
+                f"is broadcast against the batch in one place but also used in `{source.plain}`, "
+                "which is not element-wise, where its examples cannot be told apart. Expand the "
+                "indices to the batch first (ids.expand(batch_size, -1))."
+            )
+        if source.plain is not None:
+            return None  # a batch of one: the output's own gradient is that example's
+        return g.reshape(g.shape[0], *g.shape[2:])
 
     def terms(self, use, name):
         indices, b = self._rows(use)  # padding positions already have b = 0

@@ -1,0 +1,109 @@
+"""Where a module sits in the model, for error messages: ``encoder.layer.0.norm`` and the
+class's full name (``timm.layers.norm.LayerNorm``).
+
+A module does not know its own name; its parent does. Two process-wide hooks, installed
+by each clipping engine for its lifetime (:func:`track`), note the outermost module of the
+forward pass running now (or last run), and a module's path is looked up in that module's
+``named_modules()`` when an error needs it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+from torch import nn
+
+__all__ = ["class_name", "path_of", "describe", "track"]
+
+_state = threading.local()
+
+
+def _enter(module, args):
+    depth = getattr(_state, "depth", 0)
+    if depth == 0:
+        _state.root = weakref.ref(module)
+    _state.depth = depth + 1
+
+
+def _leave(module, args, output):
+    _state.depth = max(getattr(_state, "depth", 1) - 1, 0)
+
+
+class _Claim:
+    """One engine's claim on the hooks: they stay installed while any claim is held."""
+
+    def __init__(self):
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            _claims[0] -= 1
+            if _claims[0] == 0:
+                for handle in _installed:
+                    handle.remove()
+                _installed.clear()
+
+
+class _Handle:
+    """Looks like the hook's ``RemovableHandle`` (code that pauses an engine's global hooks
+    reads ``id`` and the dict references), but ``remove()`` gives up the engine's claim."""
+
+    def __init__(self, handle, claim: _Claim):
+        self._handle, self._claim = handle, claim
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+    def remove(self) -> None:
+        self._claim.release()
+
+
+_installed: list = []  # the two hook handles while installed
+_claims = [0]
+
+
+def track() -> list:
+    """Install the hooks (once for all engines); returns handles whose ``remove()`` gives up
+    this claim. The hooks go when the last claim does."""
+    if _claims[0] == 0:
+        _state.depth = 0  # a forward cut short by removal mid-call leaves nothing behind
+        _installed[:] = [
+            nn.modules.module.register_module_forward_pre_hook(_enter),
+            nn.modules.module.register_module_forward_hook(_leave, always_call=True),
+        ]
+    _claims[0] += 1
+    claim = _Claim()
+    return [_Handle(handle, claim) for handle in _installed]
+
+
+def class_name(module_or_class) -> str:
+    """``package.module.Class`` (``torch.nn`` classes as ``torch.nn.Linear``)."""
+    cls = module_or_class if isinstance(module_or_class, type) else type(module_or_class)
+    where = cls.__module__
+    if where.startswith("torch.nn.modules"):
+        where = "torch.nn"
+    return f"{where}.{cls.__qualname__}"
+
+
+def path_of(module) -> str | None:
+    """The dotted name of ``module`` in the outermost module of the latest forward pass
+    (``''`` for that module itself), or None when it is not found there."""
+    ref = getattr(_state, "root", None)
+    root = ref() if ref is not None else None
+    if root is None:
+        return None
+    for name, m in root.named_modules(remove_duplicate=False):
+        if m is module:
+            return name
+    return None
+
+
+def describe(module) -> str:
+    """```path` (full.ClassName)``, or just the class when the path is unknown."""
+    path = path_of(module)
+    cls = class_name(module)
+    if path is None:
+        return cls
+    return f"`{path or '(the model itself)'}` ({cls})"
