@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 __all__ = ["write", "targets", "markdown", "scaling_fit"]
 
@@ -494,13 +495,27 @@ def write(results: dict, out: str, device: str = "cpu") -> list[str]:
     png_path = os.path.join(out, "benchmarks.png")
     doc["plot_note"] = plot(doc, png_path)
     md_path = os.path.join(out, "benchmarks.md")
+    kept = _kept_sections(md_path)
     with open(json_path, "w") as f:
         json.dump(_clean(doc), f, indent=1)
         f.write("\n")
     with open(md_path, "w") as f:
         f.write(markdown(doc))
         f.write("\n")
+        f.write(kept)
     return [md_path, json_path] + ([] if doc["plot_note"] else [png_path])
+
+
+def _kept_sections(md_path: str) -> str:
+    """The sections other scripts write into ``benchmarks.md`` between ``<!-- NAME:start -->``
+    and ``<!-- NAME:end -->`` (the real-model table of ``benchmarks.bench_models``): kept
+    when the suite rewrites the rest."""
+    if not os.path.exists(md_path):
+        return ""
+    with open(md_path) as f:
+        text = f.read()
+    found = re.findall(r"\n(<!-- (\w+):start -->.*?<!-- \2:end -->\n)", text, flags=re.S)
+    return "".join("\n" + block for block, _ in found)
 
 
 def _clean(value):

@@ -67,7 +67,7 @@ class _Record:
 
     def __init__(self, module, rule, params, saved, n_outputs, root=None):
         self.module = module
-        self.root = root  # the outermost module call it ran inside (a _Root), if another
+        self.root = root  # the outermost module call it ran inside (a paths.Root), if another
         self.rule = rule
         self.params = params  # list of (name, parameter)
         self.saved = saved
@@ -83,29 +83,6 @@ def _twice(record) -> str:
         "(backward with retain_graph=True): its examples would be clipped twice. "
         "Run a fresh forward pass for each backward()."
     )
-
-
-class _Root:
-    """The outermost module call in progress (the model's own forward): the size of its
-    first tensor argument is the number of examples, which every layer inside must see."""
-
-    __slots__ = ("module", "sizes")
-
-    def __init__(self, module, args):
-        self.module = module
-        self.sizes = _leading_sizes(args)
-
-    def complete(self, kwargs) -> None:
-        if self.sizes is None and kwargs:  # called with keywords only (model(**batch))
-            self.sizes = _leading_sizes(tuple(v for v in kwargs.values() if isinstance(v, torch.Tensor))[:1])
-
-
-def _leading_sizes(args):
-    """``(dim 0, dim 1)`` sizes of a first argument that is a plain tensor, else None."""
-    if not args or type(args[0]) not in (torch.Tensor, nn.Parameter) or args[0].dim() == 0:
-        return None
-    shape = args[0].shape
-    return shape[0], (shape[1] if len(shape) > 1 else None)
 
 
 class _StandIn(torch.autograd.Function):
@@ -161,20 +138,14 @@ class _Group:
 # Hooks hold the engine weakly, so dropping the optimizer frees it and its hooks.
 def _forward_pre_hook(engine_ref, module, args):
     engine = engine_ref()
-    if engine is not None:
-        if engine._depth == 0:
-            engine._root = _Root(module, args)
-        engine._depth += 1
-        if torch.is_grad_enabled():
-            engine._on_forward_pre(module, args)
+    if engine is not None and torch.is_grad_enabled():
+        engine._on_forward_pre(module, args)
 
 
 def _forward_hook(engine_ref, module, args, kwargs, output):
     engine = engine_ref()
     if engine is not None:
         engine._restore(module)
-        if engine._root is not None and engine._root.module is module:
-            engine._root.complete(kwargs)
         if torch.is_grad_enabled():
             return engine._on_forward(module, args, kwargs, output)
     return None
@@ -185,7 +156,6 @@ def _restore_hook(engine_ref, module, args, output):
     if engine is not None:
         engine._restore(module)
         engine._leave_context(module)
-        engine._depth = max(0, engine._depth - 1)
 
 
 def _output_grad_hook(engine_ref, record, index, grad):
@@ -264,8 +234,6 @@ class GradEngine:
         self._autocast_seen = False
         self._hooked: set[int] = set()
         self._warned_eval = False
-        self._depth = 0  # module calls in progress
-        self._root: _Root | None = None
         self.reset()
         self.detach_parameters = True
         self._detached: dict[int, list] = {}
@@ -488,7 +456,8 @@ class GradEngine:
             return
         if self._verify and _autocast_enabled():
             self._autocast_seen = True
-        root = self._root if self._root is not None and self._root.module is not module else None
+        root = paths.current_root()
+        root = root if root is not None and root.module() is not module else None
         record = _Record(module, rule, params, rule.save(module, args, kwargs, output), len(outputs), root)
         replaced = None
         if self.detach_parameters and not self._verify and not _distributed():
@@ -887,11 +856,12 @@ def _check_examples_against_model(uses, n: int) -> None:
         if root is None or root.sizes is None:
             continue
         first, second = root.sizes
+        model = root.module()
         if n == first or (seq_first and n == second):
             continue
         raise RuntimeError(
             f"{type(record.module).__name__} saw {n} examples, but the model around it "
-            f"({type(root.module).__name__}) was called with a batch of {first} (the first dimension of "
+            f"({type(model).__name__}) was called with a batch of {first} (the first dimension of "
             "its first argument): the examples were reshaped on the way, so each row a layer sees "
             "would be clipped as an example of its own. Keep dimension 0 the example in every layer "
             "(reshape [n, T, d] -> [n * T, d] and back is not allowed; Linear and Embedding take "

@@ -2,9 +2,10 @@
 class's full name (``timm.layers.norm.LayerNorm``).
 
 A module does not know its own name; its parent does. Two process-wide hooks, installed
-by each clipping engine for its lifetime (:func:`track`), note the outermost module of the
-forward pass running now (or last run), and a module's path is looked up in that module's
-``named_modules()`` when an error needs it.
+by each clipping engine for its lifetime (:func:`track`), note the outermost module call
+of the forward pass running now (or last run), as a :class:`Root`, and a module's path is
+looked up in that module's ``named_modules()`` when an error needs it. The engine also
+reads the number of examples the model was called with from it.
 """
 
 from __future__ import annotations
@@ -12,22 +13,56 @@ from __future__ import annotations
 import threading
 import weakref
 
+import torch
 from torch import nn
 
-__all__ = ["class_name", "path_of", "describe", "track"]
+__all__ = ["Root", "class_name", "current_root", "path_of", "describe", "track"]
 
 _state = threading.local()
+
+
+class Root:
+    """The outermost module call of a forward pass: the module (weakly) and the sizes of
+    dimensions 0 and 1 of its first tensor argument, the number of examples every layer
+    inside must see (None when the first argument is not a plain tensor)."""
+
+    __slots__ = ("module", "sizes")
+
+    def __init__(self, module, args):
+        self.module = weakref.ref(module)
+        self.sizes = _leading_sizes(args)
+
+    def complete(self, kwargs) -> None:
+        if self.sizes is None and kwargs:  # called with keywords only (model(**batch))
+            self.sizes = _leading_sizes(tuple(v for v in kwargs.values() if isinstance(v, torch.Tensor))[:1])
+
+
+def _leading_sizes(args):
+    if not args or type(args[0]) not in (torch.Tensor, nn.Parameter) or args[0].dim() == 0:
+        return None
+    shape = args[0].shape
+    return shape[0], (shape[1] if len(shape) > 1 else None)
 
 
 def _enter(module, args):
     depth = getattr(_state, "depth", 0)
     if depth == 0:
-        _state.root = weakref.ref(module)
+        _state.root = Root(module, args)
     _state.depth = depth + 1
 
 
-def _leave(module, args, output):
+def _leave(module, args, *more):
+    # (kwargs, output) after a forward; torch calls an always-called hook with (output)
+    # alone, without kwargs, when the forward raised.
     _state.depth = max(getattr(_state, "depth", 1) - 1, 0)
+    root = getattr(_state, "root", None)
+    if len(more) == 2 and _state.depth == 0 and root is not None and root.module() is module:
+        root.complete(more[0])
+
+
+def current_root() -> Root | None:
+    """The outermost module call in progress on this thread (or the last one)."""
+    return getattr(_state, "root", None)
 
 
 class _Claim:
@@ -71,7 +106,7 @@ def track() -> list:
         _state.depth = 0  # a forward cut short by removal mid-call leaves nothing behind
         _installed[:] = [
             nn.modules.module.register_module_forward_pre_hook(_enter),
-            nn.modules.module.register_module_forward_hook(_leave, always_call=True),
+            nn.modules.module.register_module_forward_hook(_leave, with_kwargs=True, always_call=True),
         ]
     _claims[0] += 1
     claim = _Claim()
@@ -90,8 +125,8 @@ def class_name(module_or_class) -> str:
 def path_of(module) -> str | None:
     """The dotted name of ``module`` in the outermost module of the latest forward pass
     (``''`` for that module itself), or None when it is not found there."""
-    ref = getattr(_state, "root", None)
-    root = ref() if ref is not None else None
+    found = getattr(_state, "root", None)
+    root = found.module() if found is not None else None
     if root is None:
         return None
     for name, m in root.named_modules(remove_duplicate=False):

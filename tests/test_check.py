@@ -235,20 +235,30 @@ def test_flags_reordered_rows():
     assert_flagged(_check(_mlp(), _data(), shifted), "(2)")
 
 
-def test_flags_parameter_without_rule():
-    """(1): a parameter used in a functional call, outside any module with a rule."""
+class _OwnParameter(nn.Module):
+    """A module using its own parameter directly: element-wise (exact per example) or as a
+    matrix against the batch (which dpoptim refuses)."""
 
-    class Scaled(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(D, K)
-            self.scale = nn.Parameter(torch.ones(K))
+    def __init__(self, matrix: bool):
+        super().__init__()
+        self.fc = nn.Linear(D, K)
+        self.matrix = matrix
+        self.mix = nn.Parameter(torch.eye(K) + 0.1 * torch.randn(K, K)) if matrix else nn.Parameter(torch.ones(K))
 
-        def forward(self, x):
-            return self.fc(x) * self.scale
+    def forward(self, x):
+        h = self.fc(x)
+        return h @ self.mix if self.matrix else h * self.mix
 
+
+def test_flags_parameter_no_rule_can_split():
+    """(1): a parameter in a matrix product with the batch, outside any layer with a rule."""
     torch.manual_seed(0)
-    assert_flagged(_check(Scaled(), _data()), "scale")
+    assert_flagged(_check(_OwnParameter(matrix=True), _data()), "mix")
+
+
+def test_passes_parameter_used_element_wise():
+    torch.manual_seed(0)
+    assert_clean(_check(_OwnParameter(matrix=False), _data()))
 
 
 def test_flags_a_clipping_bug_in_dpoptim(monkeypatch):

@@ -571,3 +571,19 @@ def test_check_reports_a_parameter_used_outside_its_module():
     result = dpoptim.check(OutsideUse(), (ids, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]))
     assert not result.passed
     assert "weight" in "\n".join(result.failures)
+
+
+def test_a_forward_that_raised_leaves_no_stale_model_call_behind():
+    """The outermost call is tracked per forward; one that raised must not be taken for the
+    model around the next forward's layers (they would seem to see a wrong batch size)."""
+
+    class Fails(nn.Module):
+        def forward(self, x):
+            raise ValueError("inside the model")
+
+    model, broken = nn.Linear(3, 2), nn.Sequential(nn.Linear(3, 3), Fails())
+    opt = _opt(model.parameters())
+    with pytest.raises(ValueError, match="inside the model"):
+        broken(torch.randn(5, 3))
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
