@@ -217,12 +217,20 @@ def mixture_epsilon(sigma: float, q: float, steps: int, delta: float) -> float:
 
     if profile(0.0) <= delta:
         return 0.0
-    low, high = 0.0, max(1.0, float(mu.max()) ** 2)
+    return _bracket(profile, delta, max(1.0, float(mu.max()) ** 2))[1]
+
+
+def _bracket(profile, delta: float, start: float) -> tuple[float, float]:
+    """``(low, high)`` with ``profile(low) > delta >= profile(high)`` and ``high - low`` within
+    1e-10 relative, for a decreasing ``profile`` (delta as a function of epsilon): doubling
+    from ``start``, then bisection. ``high`` is then a sound upper bound on the epsilon of
+    ``profile`` at ``delta``, ``low`` a lower one; ``(low, inf)`` past 1e300."""
+    low, high = 0.0, start
     while profile(high) > delta:
         low, high = high, 2.0 * high
         if high > 1e300:
-            return math.inf
-    for _ in range(200):  # bisection on a certified bracket
+            return low, math.inf
+    for _ in range(200):
         if high - low <= 1e-10 * high:
             break
         mid = 0.5 * (low + high)
@@ -230,7 +238,7 @@ def mixture_epsilon(sigma: float, q: float, steps: int, delta: float) -> float:
             low = mid
         else:
             high = mid
-    return high
+    return low, high
 
 
 def ledger_mixture_epsilon(runs, delta: float) -> float:
@@ -277,18 +285,7 @@ def mixture_epsilon_lower_bound(sigma: float, q: float, steps: int, delta: float
     profile = _lower_profile(sigma, q, steps)
     if profile(0.0) <= delta:
         return 0.0
-    low, high = 0.0, 1.0
-    while profile(high) > delta:
-        low, high = high, 2.0 * high
-    for _ in range(200):
-        if high - low <= 1e-10 * high:
-            break
-        mid = 0.5 * (low + high)
-        if profile(mid) > delta:
-            low = mid
-        else:
-            high = mid
-    return low
+    return _bracket(profile, delta, 1.0)[0]
 
 
 def mixture_delta_lower_bound(epsilon: float, sigma: float, q: float, steps: int) -> float:
