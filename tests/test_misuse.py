@@ -163,28 +163,28 @@ def test_clearing_with_model_zero_grad_and_skipping_a_step_forgets_that_batch():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     first, second = torch.randn(5, 3), torch.randn(3, 3)
+
+    def copy_with_optimizer(warm):
+        """A copy of ``model`` and its DPSGD; ``warm``: past the checked first step."""
+        m = copy.deepcopy(model)
+        opt = _opt(m.parameters())
+        if warm:
+            opt.zero_grad()
+            m(first).sum().backward()
+            opt.step()
+            m.load_state_dict(model.state_dict())
+        return m, opt
+
     for set_to_none in (True, False):
         for warm in (False, True):  # the checked first step, and a later one
-            m = copy.deepcopy(model)
-            opt = _opt(m.parameters())
-            if warm:
-                opt.zero_grad()
-                m(first).sum().backward()
-                opt.step()
-                m.load_state_dict(model.state_dict())
+            m, opt = copy_with_optimizer(warm)
             m.zero_grad(set_to_none=set_to_none)
             m(first).square().mean().backward()
             m.zero_grad(set_to_none=set_to_none)  # the loop skipped step() for that batch
             m(second).square().mean().backward()
             assert opt._engine.examples == len(second)
             opt.step()
-            ref = copy.deepcopy(model)
-            opt2 = _opt(ref.parameters())
-            if warm:
-                opt2.zero_grad()
-                ref(first).sum().backward()
-                opt2.step()
-                ref.load_state_dict(model.state_dict())
+            ref, opt2 = copy_with_optimizer(warm)
             opt2.zero_grad()
             ref(second).square().mean().backward()
             opt2.step()
