@@ -6,6 +6,8 @@ import math
 
 from torch import nn
 
+from ._torch import is_batch_norm
+
 __all__ = ["replace_batchnorm"]
 
 
@@ -22,10 +24,10 @@ def replace_batchnorm(model: nn.Module, num_groups: int = 32) -> nn.Module:
     weights start fresh (ones and zeros), as they would for a new layer. Build the optimizer
     after calling this, since the parameters are new.
     """
-    if isinstance(model, nn.modules.batchnorm._BatchNorm):
+    if is_batch_norm(model):
         raise TypeError("replace_batchnorm works on a model that contains BatchNorm layers; wrap it in a module")
     for name, child in model.named_children():
-        if isinstance(child, nn.modules.batchnorm._BatchNorm):
+        if is_batch_norm(child):
             replacement = nn.GroupNorm(
                 _groups_for(child.num_features, num_groups),
                 child.num_features,

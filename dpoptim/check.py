@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import _torch
 from .data import _batch_sizes, _is_leaf_value, _mapping_like
 from .errors import UnsupportedLayerError
 
@@ -607,7 +608,7 @@ def _disable_dropout(model: nn.Module) -> list[str]:
     changed = []
     for name, module in model.named_modules():
         where = name or type(module).__name__
-        if isinstance(module, nn.modules.dropout._DropoutNd):
+        if _torch.is_dropout(module):
             if module.p > 0:
                 changed.append(f"{where} (p={module.p:g})")
                 module.p = 0.0

@@ -35,15 +35,13 @@ import weakref
 import torch
 from torch import nn
 
+from . import _torch
 from .errors import PrivacyWarning, UnsupportedLayerError
 from .privatize import clip_factors
 from . import paths
 from .registry import Use, resolve_rule
 
 __all__ = ["GradEngine"]
-
-# Modules that mix examples through batch statistics: per-example gradients do not exist.
-_BATCH_MIXING = (nn.modules.batchnorm._BatchNorm,)
 
 _group_ids = itertools.count()
 
@@ -55,8 +53,15 @@ _CLAIMED: dict[int, tuple] = {}
 _LAST_TASK: list = [None, []]
 
 
-def _uses_batch_statistics(module: nn.Module) -> bool:
-    return module.training or getattr(module, "running_mean", None) is None
+class _Decision:
+    """What the engine does with a module: its rule (None: no rule), and the trainable
+    parameters of this optimizer that the rule claims, as ``(name, parameter)``. Cached per
+    module and valid while ``key`` (the ids of the module's own parameters) holds."""
+
+    __slots__ = ("key", "rule", "claimed")
+
+    def __init__(self, key, rule, claimed):
+        self.key, self.rule, self.claimed = key, rule, claimed
 
 
 class _Record:
@@ -128,11 +133,11 @@ class _Group:
 
     def __init__(self):
         self.id = next(_group_ids)
-        self.task = torch._C._current_graph_task_id()  # the backward() call it belongs to
+        self.task = _torch.graph_task_id()  # the backward() call it belongs to
         self.uses: dict[int, tuple[_Record, list]] = {}
         self.accumulated: dict[int, torch.Tensor] = {}
         self.autograd: dict[int, torch.Tensor] = {}
-        self.mixing: dict[int, nn.Module] = {}
+        self.mixing: dict[int, str] = {}  # id(module) -> why it mixes examples (Rule.mixes_examples)
 
 
 # Hooks hold the engine weakly, so dropping the optimizer frees it and its hooks.
@@ -164,10 +169,10 @@ def _output_grad_hook(engine_ref, record, index, grad):
         engine._on_output_grad(record, index, grad)
 
 
-def _mixing_hook(engine_ref, module, grad):
+def _mixing_hook(engine_ref, module, reason, grad):
     engine = engine_ref()
     if engine is not None:
-        engine._group().mixing[id(module)] = module
+        engine._group().mixing[id(module)] = reason
 
 
 def _accumulated_hook(engine_ref, param):
@@ -235,7 +240,6 @@ class GradEngine:
         self._hooked: set[int] = set()
         self._warned_eval = False
         self.reset()
-        self.detach_parameters = True
         self._detached: dict[int, list] = {}
         self._contexts: dict[int, list] = {}  # module -> the rule's forward contexts now entered
         self._ghosts: set[int] = set()  # parameters autograd no longer reaches through their module
@@ -300,7 +304,7 @@ class GradEngine:
         self._errors: list[str] = []
         self._clip_norms: set[float] = set()
         self.examples = 0
-        self.backward_calls = 0
+        self.backward_calls = 0  # backward passes clipped (dpoptim.check's diagnosis reads it)
         self.seen: set[int] = set()  # parameters backward accumulated into in this logical batch
         self._marks: dict[int, tuple] = {}  # id(param) -> (its .grad, that tensor's version)
 
@@ -325,41 +329,37 @@ class GradEngine:
         return self._sums
 
     # ----------------------------------------------------------------- hooks
-    def _decide(self, module):
-        key = tuple(map(id, module._parameters.values()))
+    def _decide(self, module) -> _Decision:
+        key = tuple(map(id, _torch.own_parameters(module).values()))
         cached = self._decisions.get(module)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        if cached is not None and cached[1] is not None:
-            self._warn_replaced(module, cached[1][1])
-        for name, p in module._parameters.items():
+        if cached is not None and cached.key == key:
+            return cached
+        if cached is not None and cached.claimed:
+            self._warn_replaced(module, cached.claimed)
+        for name, p in _torch.own_parameters(module).items():
             if p is not None and id(p) in self._params:
                 self._owners.setdefault(id(p), (weakref.ref(module), name))
-        decision = None
         rule = resolve_rule(module)
-        if rule is not None:
-            claimed = [(n, p) for n, p in rule.parameters(module).items() if id(p) in self._params]
-            if claimed:
-                decision = (rule, claimed)
-        self._decisions[module] = (key, decision)
+        claimed = [] if rule is None else [(n, p) for n, p in rule.parameters(module).items() if id(p) in self._params]
+        decision = self._decisions[module] = _Decision(key, rule, claimed)
         return decision
 
     def _on_forward_pre(self, module, args) -> None:
-        if _is_compiled_wrapper(module) and any(id(p) in self._params for p in module.parameters()):
+        if _torch.is_compiled_wrapper(module) and any(id(p) in self._params for p in module.parameters()):
             raise RuntimeError(
                 f"torch.compile(model) returned a wrapper ({type(module).__name__}) whose compiled "
                 "forward hides the layers from dpoptim's hooks. Compile the model in place instead: "
                 "model.compile(), then call model as usual."
             )
         decision = self._decide(module)
-        if decision is None:
+        if not decision.claimed:
             return
-        decision[0].check(module)
-        context = decision[0].enter(module, args)
+        decision.rule.check(module)
+        context = decision.rule.enter(module, args)
         if context is not None:
             context.__enter__()
             self._contexts.setdefault(id(module), []).append(context)
-        if self.detach_parameters and not self._verify and decision[0].detach_parameters:
+        if not self._verify and decision.rule.detach_parameters:
             self._detach(module, decision, args)
 
     def _detach(self, module, decision, args) -> None:
@@ -372,13 +372,13 @@ class GradEngine:
         an attached parameter of this optimizer: both needs are then met upstream. Off
         until the first step has been checked against autograd, and off under
         torch.distributed (DDP waits for every gradient)."""
-        live = [(n, p) for n, p in decision[1] if p.requires_grad]
+        live = [(n, p) for n, p in decision.claimed if p.requires_grad]
         if not live or _distributed():
             return
-        if decision[0].detach_all and self._reaches_attached(args):
+        if decision.rule.detach_all and self._reaches_attached(args):
             keep = None
         else:
-            chosen = dict(live).get(decision[0].attached(module, [n for n, _ in live]))
+            chosen = dict(live).get(decision.rule.attached(module, [n for n, _ in live]))
             keep = chosen if chosen is not None else min(live, key=lambda item: item[1].numel())[1]
             # One call may keep a parameter that another call (of a shared module, or of a
             # later forward whose input has no graph) detached: autograd reaches it then.
@@ -391,7 +391,7 @@ class GradEngine:
             if p is not keep:
                 owner, _, leaf = name.rpartition(".")
                 owner = module.get_submodule(owner) if owner else module
-                owner._parameters[leaf] = p.detach()
+                _torch.own_parameters(owner)[leaf] = p.detach()
                 swapped.append((owner, leaf, p))
                 if id(p) not in self._kept:
                     self._ghosts.add(id(p))
@@ -421,7 +421,7 @@ class GradEngine:
         swapped = self._detached.pop(id(module), None)
         if swapped:
             for owner, leaf, p in swapped:
-                owner._parameters[leaf] = p
+                _torch.own_parameters(owner)[leaf] = p
 
     def _leave_context(self, module) -> None:
         contexts = self._contexts.get(id(module))
@@ -431,7 +431,7 @@ class GradEngine:
     def _warn_replaced(self, module, claimed) -> None:
         for name, p in claimed:
             owner, _, leaf = name.rpartition(".")  # a rule may claim a child's parameter
-            if module.get_submodule(owner)._parameters.get(leaf) is not p:
+            if _torch.own_parameters(module.get_submodule(owner)).get(leaf) is not p:
                 warnings.warn(
                     f"parameter '{name}' of {type(module).__name__} was replaced after the optimizer was "
                     "built; the new one is not in the optimizer and will not be trained. Build the "
@@ -441,14 +441,15 @@ class GradEngine:
                 )
 
     def _on_forward(self, module, args, kwargs, output):
-        if isinstance(module, _BATCH_MIXING) and _uses_batch_statistics(module):
-            if isinstance(output, torch.Tensor) and output.requires_grad:
-                output.register_hook(functools.partial(_mixing_hook, self._ref, module))
         decision = self._decide(module)
-        if decision is None:
+        rule = decision.rule
+        if rule is None:
             return
-        rule, claimed = decision
-        params = [(n, p) for n, p in claimed if p.requires_grad]
+        mixing = rule.mixes_examples(module)
+        if mixing is not None and isinstance(output, torch.Tensor) and output.requires_grad:
+            # Refused at the end of the backward that reaches it, whatever it owns.
+            output.register_hook(functools.partial(_mixing_hook, self._ref, module, mixing))
+        params = [(n, p) for n, p in decision.claimed if p.requires_grad]
         if not params:
             return
         outputs = rule.outputs(module, output)
@@ -460,7 +461,7 @@ class GradEngine:
         root = root if root is not None and root.module() is not module else None
         record = _Record(module, rule, params, rule.save(module, args, kwargs, output), len(outputs), root)
         replaced = None
-        if self.detach_parameters and not self._verify and not _distributed():
+        if not self._verify and not _distributed():
             replaced = self._stand_in(record, args, kwargs, output, outputs)
             if replaced is not None:
                 outputs = rule.outputs(module, replaced)
@@ -469,7 +470,7 @@ class GradEngine:
         for index, t in enumerate(outputs):
             if t.requires_grad:
                 t.register_hook(functools.partial(_output_grad_hook, self._ref, record, index))
-        if _in_backward():
+        if _torch.in_backward():
             # A forward run by a backward: reentrant checkpointing recomputes its segment
             # here and backpropagates it in a nested backward() of its own. Opening the
             # group now ties its end to the outer backward, so every segment's uses are
@@ -507,7 +508,7 @@ class GradEngine:
         if self._open is None:
             self._follow_cleared_grads(arriving)
             self._open = _Group()
-            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_close_group, self._ref))
+            _torch.queue_end_of_backward(functools.partial(_close_group, self._ref))
         return self._open
 
     def _follow_cleared_grads(self, arriving: int | None) -> None:
@@ -526,7 +527,7 @@ class GradEngine:
             if pid == arriving:
                 continue
             grad = self._params[pid].grad
-            if grad is None or ((grad is not ref() or grad._version != version) and not bool(grad.any())):
+            if grad is None or ((grad is not ref() or _torch.version_counter(grad) != version) and not bool(grad.any())):
                 cleared.append(pid)
         if not cleared:
             return
@@ -584,12 +585,10 @@ class GradEngine:
     def _process(self, group: _Group) -> None:
         self.backward_calls += 1
         self.seen.update(group.accumulated)
-        for module in group.mixing.values():
-            self._errors.append(
-                f"{type(module).__name__} uses batch statistics, which mix examples: per-example "
-                "gradients do not exist and DP-SGD's guarantee would not hold. Replace it with "
-                "GroupNorm (dpoptim.replace_batchnorm(model)) or put it in eval mode."
-            )
+        if group.mixing:
+            # Per-example gradients do not exist: nothing of this backward is clipped.
+            self._errors.extend(group.mixing.values())
+            return
         counts: dict[int, int] = {}
         for record, _ in group.uses.values():
             for _, p in record.params:
@@ -713,7 +712,7 @@ class GradEngine:
         nonzero = torch.stack([g.ne(0).any().to(grads[0][1].device) for _, g in grads]).tolist()
         for (pid, g), keep in zip(grads, nonzero):
             if keep:
-                self._marks[pid] = (weakref.ref(g), g._version)
+                self._marks[pid] = (weakref.ref(g), _torch.version_counter(g))
 
     def _checked_norms(self, record, use, names):
         norms = record.rule.norms(use, names)
@@ -912,17 +911,6 @@ def _term_inner(x, y, dtype) -> torch.Tensor:
 
 def _autocast_enabled() -> bool:
     return torch.is_autocast_enabled("cpu") or (torch.cuda.is_available() and torch.is_autocast_enabled("cuda"))
-
-
-def _is_compiled_wrapper(module) -> bool:
-    """Whether ``module`` is what ``torch.compile(model)`` returns (a wrapper, not the model)."""
-    cls = type(module)
-    return cls.__name__ == "OptimizedModule" and cls.__module__.startswith("torch._dynamo")
-
-
-def _in_backward() -> bool:
-    """Whether this thread is running a backward pass (the autograd engine's graph task)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def _distributed() -> bool:

@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import distributed
+from . import _torch, distributed
 from .data import batches_per_epoch
 from .engine import GradEngine
 from .errors import PrivacyBudgetExceeded, PrivacyWarning
@@ -341,7 +341,7 @@ class DPOptimizerMixin:
             by_device.setdefault(p.device, []).append((p, s))
         grads = [s for pairs in by_device.values() for _, s in pairs]
         if loss_scale != 1.0 and grads:
-            torch._foreach_div_(grads, loss_scale)
+            _torch.foreach_div_(grads, loss_scale)
         if rank == 0:  # the noise enters once, before the sum over ranks
             for device, pairs in by_device.items():
                 add_noise_([s for _, s in pairs], sigma, bound, self._generator_for(device), self.secure_mode)
@@ -349,8 +349,7 @@ class DPOptimizerMixin:
             settings = {"noise_multiplier": sigma, "max_grad_norm": bound, "sample_rate": q,
                         "expected_batch_size": batch}
             distributed.all_reduce_sum_(grads, process_group, settings)
-        if grads:
-            torch._foreach_div_(grads, batch)
+        _torch.foreach_div_(grads, batch)
         for pairs in by_device.values():
             for p, g in pairs:
                 p.grad = g
@@ -423,17 +422,7 @@ class DPOptimizerMixin:
         scaler = self._grad_scaler
         if scaler is None or not scaler.is_enabled():
             return
-        if not (hasattr(scaler, "_scale") and isinstance(getattr(scaler, "_per_optimizer_states", None), dict)):
-            raise RuntimeError(
-                f"dpoptim does not know how this {type(scaler).__name__} records overflows, so it cannot "
-                "keep the loss scale independent of the data. Use torch.amp.GradScaler."
-            )
-        scale = scaler._scale
-        if scale is None:
-            return  # the scaler has not scaled anything yet
-        states = scaler._per_optimizer_states
-        zero = torch.zeros((), dtype=torch.float32, device=scale.device)
-        states[id(self)]["found_inf_per_device"] = {scale.device: zero}
+        _torch.grad_scaler_report_no_overflow(scaler, self)
 
     # ----------------------------------------------------------------- data loading
     def _watch_batch_size(self, examples: int, q: float, local_expected: float) -> None:

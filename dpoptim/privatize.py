@@ -24,11 +24,11 @@ import secrets
 
 import torch
 
+from ._torch import set_cpu_generator_words
+
 __all__ = ["clip_factors", "add_noise_", "fresh_generator"]
 
 _MT_WORDS = 624  # 32-bit words of Mersenne Twister state
-_MT_OFFSET = 24  # where they start in a CPU generator's state (after seed, left, seeded, next)
-_MT_STATE_BYTES = 5056
 
 
 def clip_factors(squared_norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
@@ -82,16 +82,6 @@ def fresh_generator(device: torch.device | str = "cpu") -> torch.Generator:
     if device.type != "cpu":
         generator.manual_seed(secrets.randbits(64))
         return generator
-    state = generator.get_state()
-    if state.numel() != _MT_STATE_BYTES:  # pragma: no cover - a future layout: fail loudly
-        raise RuntimeError(
-            f"unexpected CPU generator state of {state.numel()} bytes (expected {_MT_STATE_BYTES}); "
-            "dpoptim cannot give this PyTorch's generator a full random state"
-        )
     words = torch.frombuffer(bytearray(secrets.token_bytes(4 * _MT_WORDS)), dtype=torch.int32)
-    state = state.clone()
-    # Each word is stored as a uint64 holding 32 bits; 'left' stays 1, so the next draw
-    # regenerates the twister from exactly these words.
-    state[_MT_OFFSET:_MT_OFFSET + 8 * _MT_WORDS] = (words.to(torch.int64) & 0xFFFFFFFF).view(torch.uint8)
-    generator.set_state(state)
+    set_cpu_generator_words(generator, words)  # the state's byte layout is a torch internal
     return generator

@@ -42,6 +42,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ._torch import own_parameters
+
 __all__ = ["Rule", "Use", "register_rule", "rule_for", "registered_rules", "resolve_rule"]
 
 
@@ -80,7 +82,15 @@ class Rule:
 
     def parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
         """The parameters this rule accounts for, by name relative to ``module``."""
-        return {name: p for name, p in module._parameters.items() if p is not None}
+        return {name: p for name, p in own_parameters(module).items() if p is not None}
+
+    def mixes_examples(self, module: nn.Module) -> str | None:
+        """Why this call of ``module`` mixes the examples of its batch (so that per-example
+        gradients do not exist), or None (the default). Asked after every forward pass with
+        gradients on, whether or not the module owns parameters of the optimizer (a frozen
+        BatchNorm still mixes); a backward that reaches such a call is refused at ``step()``
+        with this text."""
+        return None
 
     def check(self, module: nn.Module) -> None:
         """Called before each forward pass with gradients on: raise here to refuse a

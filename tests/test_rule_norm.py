@@ -191,3 +191,30 @@ def test_norm_model_trains_with_noise():
     y = (x.mean((1, 2, 3)) > 0).long()
     model = _NormNet()
     assert_trains_with_noise(model, x, y, lr=1.0)
+
+
+def test_batchnorm_rule_itself_refuses_batch_statistics():
+    """The refusal lives in the rule: it names the mixing, and it never hands out a
+    batch-statistics gradient as if it were per example."""
+    from dpoptim.registry import Use, resolve_rule
+
+    bn = nn.BatchNorm1d(3)
+    rule = resolve_rule(bn)
+    assert "batch statistics" in rule.mixes_examples(bn)
+    assert rule.mixes_examples(bn.eval()) is None
+    x = torch.randn(4, 3)
+    with pytest.raises(RuntimeError, match="batch statistics"):
+        rule.per_example(Use(bn.train(), (x, None), [torch.randn(4, 3)]), ["weight"])
+
+
+def test_batchnorm_subclass_with_its_own_forward_is_refused():
+    class Scaled(nn.BatchNorm1d):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model = nn.Sequential(nn.Linear(4, 3), Scaled(3), nn.Linear(3, 1))
+    model[1].requires_grad_(False)
+    opt = _optimizer(nn.ModuleList([model[0], model[2]]))
+    model(torch.randn(5, 4)).sum().backward()
+    with pytest.raises(dpoptim.UnsupportedLayerError, match="Scaled uses batch statistics"):
+        opt.step()

@@ -68,6 +68,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import _torch
 from ..registry import Rule, register_rule
 from ._common import common_dtype, rng_replayed, rng_state
 from ._factored import Factored, FactoredRule, bias_block, weight_block
@@ -111,7 +112,7 @@ def _tap_attention_kernel(out: torch.Tensor, inputs, budget: int = 32) -> dict |
     (the math fallback, attention dropout on CPU, a graph PyTorch builds differently):
     the rule replays then.
     """
-    if out.grad_fn is None or _saved_tensor_hooks_active():
+    if out.grad_fn is None or _torch.saved_tensor_hooks_active():
         return None
     stop = {t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
     found, seen, frontier = [], set(), [out.grad_fn]
@@ -122,14 +123,14 @@ def _tap_attention_kernel(out: torch.Tensor, inputs, budget: int = 32) -> dict |
         seen.add(node)  # holds the node, so its Python object (and id) stays the same
         if len(seen) > budget:
             return None
-        if type(node).__name__.startswith("ScaledDotProduct"):
+        if _torch.is_fused_attention_node(node):
             found.append(node)
             continue
         frontier.extend(fn for fn, _ in node.next_functions)
     if len(found) != 1:
         return None
-    output = getattr(found[0], "_saved_output", None)
-    if not isinstance(output, torch.Tensor):
+    output = _torch.fused_attention_output(found[0])
+    if output is None:
         return None
     box = {"output": output.detach()}
     found[0].register_hook(functools.partial(_keep_input_grads, box))
@@ -139,17 +140,6 @@ def _tap_attention_kernel(out: torch.Tensor, inputs, budget: int = 32) -> dict |
 def _keep_input_grads(box, grad_inputs, grad_outputs):
     # Detached: under create_graph=True they would lead back to this node, which holds the hook.
     box["grads"] = tuple(None if g is None else g.detach() for g in grad_inputs)
-
-
-def _saved_tensor_hooks_active() -> bool:
-    """Whether tensors saved for backward now go through hooks (activation checkpointing,
-    ``save_on_cpu``): reading the kernel's saved output in the forward would then unpack it
-    early (a recomputation, a copy back). Assumed so when PyTorch cannot tell."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    try:
-        return top is None or top(False) is not None
-    except TypeError:
-        return True
 
 
 @register_rule(nn.MultiheadAttention)
@@ -221,7 +211,7 @@ class MultiheadAttentionRule(FactoredRule):
     def factors(self, use):
         m, s = use.module, use.saved
         E, heads = m.embed_dim, m.num_heads
-        packed = m._qkv_same_embed_dim
+        packed = _torch.mha_packed_projection(m)
         weights = [m.in_proj_weight] if packed else [m.q_proj_weight, m.k_proj_weight, m.v_proj_weight]
         dtype = common_dtype(s["query"], *weights)
         xq, xk, xv = (s[name].to(dtype) for name in ("query", "key", "value"))
@@ -297,7 +287,7 @@ class MultiheadAttentionRule(FactoredRule):
             qkv = F.linear(xq, detach(m.in_proj_weight), detach(m.in_proj_bias))
             q, k, v = qkv.view(n, L, 3, heads, E // heads).permute(2, 0, 3, 1, 4).reshape(3, n * heads, L, E // heads)
         else:
-            packed = m._qkv_same_embed_dim
+            packed = _torch.mha_packed_projection(m)
             if packed:
                 w_q, w_k, w_v = detach(m.in_proj_weight).chunk(3)
             else:

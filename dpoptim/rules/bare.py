@@ -30,7 +30,7 @@ import functools
 import torch
 from torch import nn
 
-from .. import paths
+from .. import _torch, paths
 from ..registry import Rule, register_automatic
 from .shared import SharedMode, SharedTensorError, Source, per_example_of_uses
 
@@ -59,10 +59,10 @@ class _Call:
         self.args = args
         self.sources = {
             name: Source(p, functools.partial(_label, name, module), lenient)
-            for name, p in module._parameters.items()
+            for name, p in _torch.own_parameters(module).items()
             if p is not None and p.requires_grad
         }
-        tracked = {id(module._parameters[name]): (module._parameters[name], s) for name, s in self.sources.items()}
+        tracked = {id(_torch.own_parameters(module)[name]): (_torch.own_parameters(module)[name], s) for name, s in self.sources.items()}
         # The module's buffers carry no examples, whatever their first dimension.
         constants = frozenset(id(b) for b in module.buffers())
         self.mode = SharedMode(tracked, batch_size(args), constants)
@@ -80,10 +80,8 @@ class BareParameterRule(Rule):
         self._calls: dict[int, list[_Call]] = {}
 
     def applies(self, module) -> bool:
-        # Batch norms in training mode mix examples: the engine reports those by name.
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            return False
-        return any(p is not None for p in module._parameters.values())
+        # Batch norms never get here: BatchStatisticsGuard (dpoptim.rules.norm) comes first.
+        return any(p is not None for p in _torch.own_parameters(module).values())
 
     def enter(self, module, args):
         return self._context(module, args)
@@ -134,7 +132,7 @@ class BareParameterRule(Rule):
 
     def save(self, module, args, kwargs, output):
         call = self.current(module)
-        bases = {name: module._parameters[name].detach() for name in call.sources}
+        bases = {name: _torch.own_parameters(module)[name].detach() for name in call.sources}
         return {"metas": call.metas, "bases": bases}
 
     def per_example(self, use, names):

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import _torch
 from ..registry import Rule, Use, register_rule
 from ._common import batched, common_dtype
 
@@ -58,7 +59,7 @@ def conv_padding(module: nn.Module) -> list[int]:
     itself, so it is read from there (it may have been changed after construction).
     """
     if module.padding_mode != "zeros":
-        return list(module._reversed_padding_repeated_twice)
+        return _torch.conv_explicit_padding(module)
     padding = module.padding
     dims = len(module.kernel_size)
     if padding == "valid":

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import paths
+from .. import _torch, paths
 from ..registry import Use, register_automatic
 from .bare import BareParameterRule, shared_per_example
 from .embedding import EmbeddingRule
@@ -68,7 +68,7 @@ class LinearLookalikeRule(BareParameterRule):
         self._proved = weakref.WeakKeyDictionary()  # module -> {(shape, dtype, training): layout}
 
     def applies(self, module) -> bool:
-        params = {n: p for n, p in module._parameters.items() if p is not None}
+        params = {n: p for n, p in _torch.own_parameters(module).items() if p is not None}
         weight, bias = params.get("weight"), params.get("bias")
         if weight is None or weight.dim() != 2 or set(params) - {"weight", "bias"}:
             return False
@@ -76,7 +76,7 @@ class LinearLookalikeRule(BareParameterRule):
 
     def _layout(self, module, x, output) -> tuple[str | None, str]:
         """('linear' | 'transposed' | None, why not)."""
-        weight, bias = module._parameters["weight"], module._parameters.get("bias")
+        weight, bias = _torch.own_parameters(module)["weight"], _torch.own_parameters(module).get("bias")
         if not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor) or x.dim() < 2:
             return None, "its call is not one batched tensor in, one tensor out"
         key = (tuple(x.shape), x.dtype, module.training)
@@ -123,7 +123,7 @@ class LinearLookalikeRule(BareParameterRule):
         call = self.current(module)
         if call.route is None:
             return ("bare", super().save(module, args, kwargs, output))
-        return (call.route, args[0].detach(), module._parameters["weight"].shape)
+        return (call.route, args[0].detach(), _torch.own_parameters(module)["weight"].shape)
 
     # ----------------------------------------------------------------- per route
     def _as_linear(self, use):
@@ -171,7 +171,7 @@ class EmbeddingLookalikeRule(EmbeddingRule):
     """A subclass of nn.Embedding with its own forward, proved to scale the lookup."""
 
     def applies(self, module) -> bool:
-        params = {n for n, p in module._parameters.items() if p is not None}
+        params = {n for n, p in _torch.own_parameters(module).items() if p is not None}
         return isinstance(module, nn.Embedding) and params == {"weight"}
 
     def save(self, module, args, kwargs, output):

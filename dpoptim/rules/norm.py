@@ -25,9 +25,10 @@ InstanceNorm / BatchNorm running mean and variance (eval mode)   channel (dim 1)
 =======================  ======================================  ==========================
 
 BatchNorm in training mode (or without running statistics) normalises with statistics of
-the whole batch: per-example gradients do not exist and the engine reports it. The rule
-then still returns the batch-statistics gradient, which sums to autograd's, so that the
-engine's report is the only error the user sees.
+the whole batch: per-example gradients do not exist. ``BatchNormRule.mixes_examples`` says
+so, and the engine refuses every backward that reaches such a call, frozen or not; a
+BatchNorm-derived module with a forward of its own (no registered rule) gets the same
+refusal from :class:`BatchStatisticsGuard`.
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..registry import Rule, register_rule
+from .. import _torch
+from ..registry import Rule, register_automatic, register_rule
 from ._common import batched, common_dtype
 
-__all__ = ["NormRule", "affine_per_example"]
+__all__ = ["NormRule", "BatchNormRule", "BatchStatisticsGuard", "affine_per_example"]
 
 
 def affine_per_example(x_hat: torch.Tensor, b: torch.Tensor, param_dims: tuple[int, ...], names) -> dict:
@@ -166,7 +168,7 @@ class _RunningStatsRule(NormRule):
 
 class InstanceNormRule(_RunningStatsRule):
     def min_input_dim(self, module):
-        return module._get_no_batch_dim() + 1
+        return _torch.no_batch_dim(module) + 1
 
     def uses_running(self, module) -> bool:
         # InstanceNorm's forward: use_input_stats = training or not track_running_stats.
@@ -184,13 +186,50 @@ class InstanceNormRule(_RunningStatsRule):
         return tuple(range(2, x.dim()))
 
 
+def _batch_statistics(module) -> str | None:
+    """BatchNorm's forward normalises with the batch's own statistics in training mode and
+    whenever it has no running statistics."""
+    if not module.training and getattr(module, "running_mean", None) is not None:
+        return None
+    return (
+        f"{type(module).__name__} uses batch statistics, which mix examples: per-example "
+        "gradients do not exist and DP-SGD's guarantee would not hold. Replace it with "
+        "GroupNorm (dpoptim.replace_batchnorm(model)) or put it in eval mode."
+    )
+
+
 class BatchNormRule(_RunningStatsRule):
-    def input_statistics_dims(self, x):
-        # Batch statistics: only reached when the engine has already refused the layer.
-        return (0, *range(2, x.dim()))
+    """BatchNorm1d/2d/3d and SyncBatchNorm with running statistics (eval mode); refuses
+    batch statistics (:meth:`mixes_examples`)."""
+
+    def mixes_examples(self, module):
+        return _batch_statistics(module)
+
+    def normalized(self, module, x, stats):
+        if stats is None:  # the engine refuses such a backward before any rule runs
+            raise RuntimeError(_batch_statistics(module) or "BatchNorm without running statistics")
+        return _with_running(x, *stats, module.eps)
+
+
+class BatchStatisticsGuard(Rule):
+    """Any other BatchNorm-derived module (one with its own forward): claims none of its
+    parameters (they are reported as uncovered) and refuses batch statistics."""
+
+    def applies(self, module) -> bool:
+        return _torch.is_batch_norm(module)
+
+    def parameters(self, module):
+        return {}
+
+    def mixes_examples(self, module):
+        return _batch_statistics(module)
+
+    def per_example(self, use, names):
+        return {}
 
 
 for _cls in (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d):
     register_rule(_cls, InstanceNormRule)
-for _cls in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
+for _cls in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm):
     register_rule(_cls, BatchNormRule)
+register_automatic(BatchStatisticsGuard(), order=0)  # before any rule that would claim its parameters

@@ -50,7 +50,6 @@ example from another.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import torch
@@ -58,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
+from .. import _torch
 from ..registry import register_rule
 from ._common import common_dtype, rng_replayed, rng_state
 from ._factored import Factored, FactoredRule, bias_block, weight_block
@@ -96,16 +96,6 @@ def _consumes(later: torch.Tensor, earlier: torch.Tensor, depth: int = 3) -> boo
             return True
         frontier = [fn for fn, _ in edges]
     return False
-
-
-@contextlib.contextmanager
-def _without_cudnn():
-    enabled = torch.backends.cudnn.enabled
-    torch.backends.cudnn.enabled = False
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.enabled = enabled
 
 
 def _suffixes(module) -> dict:
@@ -153,7 +143,7 @@ class RecurrentRule(FactoredRule):
         # cuDNN draws the masks between stacked layers from a dropout state of its own that
         # nothing outside can replay; PyTorch's own CUDA implementation draws them as on CPU.
         if self._drops(module) and module.weight_ih_l0.device.type == "cuda":
-            return _without_cudnn()
+            return _torch.cudnn_disabled()
         return None
 
     @staticmethod

@@ -44,8 +44,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .._torch import torch_function_subclass_disabled, tree_flatten, tree_unflatten
 from ._common import common_dtype
 
 __all__ = ["SharedTensorError", "SharedMode", "Source", "broadcast_alias", "per_example_of_uses"]
@@ -337,7 +337,7 @@ class _Broadcast(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        with torch._C.DisableTorchFunctionSubclass():
+        with torch_function_subclass_disabled():
             return _SUBCLASS.run(func, args, kwargs)
 
 
@@ -377,7 +377,7 @@ def broadcast_alias(output: torch.Tensor, label: str) -> tuple[torch.Tensor, Sou
     """``output`` (first dim 1, a lookup for the whole batch) as a tensor that splits per
     example where it meets the batch; the :class:`Source` collects those uses."""
     source = Source(output, label)
-    with torch._C.DisableTorchFunctionSubclass():
+    with torch_function_subclass_disabled():
         alias = output.as_subclass(_Broadcast)
     alias._dp_info = _Info(source)
     return alias, source
