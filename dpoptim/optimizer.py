@@ -55,6 +55,26 @@ class PrivacySpent(NamedTuple):
     delta: float
 
 
+class _SizeWatch:
+    """State of :meth:`DPOptimizerMixin._watch_batch_size`: the last batch size, how many
+    steps in a row had it, and whether the warning was given."""
+
+    __slots__ = ("last", "run", "warned")
+
+    def __init__(self):
+        self.last, self.run, self.warned = None, 0, False
+
+
+class _MeanWatch:
+    """State of :meth:`DPOptimizerMixin._watch_mean_batch_size`: the expected size being
+    watched, the steps and examples counted against it, and whether the warning was given."""
+
+    __slots__ = ("expected", "steps", "examples", "warned")
+
+    def __init__(self, expected=None):
+        self.expected, self.steps, self.examples, self.warned = expected, 0, 0, False
+
+
 def _check_noise_multiplier(value) -> float:
     value = float(value)
     if not value >= 0 or math.isinf(value):
@@ -232,11 +252,13 @@ class DPOptimizerMixin:
         self._written: dict[int, weakref.ref] = {}  # id(param) -> the .grad the last step() wrote
         self.secure_mode = bool(secure_mode)
         self._generators: dict[torch.device, torch.Generator] = {}
-        self._ledger: list[list] = []  # runs of [sigma, q, count]
+        from .accounting.ledger import Ledger  # scipy is imported with accounting: not at import dpoptim
+
+        self._ledger = Ledger()  # the steps taken, as runs (sigma, q, count); immutable, replaced per step
         self._budget_cache: tuple | None = None
         self._process_group = process_group
-        self._size_watch = [None, 0, False]  # last batch size, steps with it, warned
-        self._mean_watch = [None, 0, 0, False]  # expected size watched, steps, examples, warned
+        self._size_watch = _SizeWatch()
+        self._mean_watch = _MeanWatch()
 
     # ----------------------------------------------------------------- hyperparameters
     def add_param_group(self, param_group: dict) -> None:
@@ -432,13 +454,13 @@ class DPOptimizerMixin:
         size with probability below about 0.4, so 32 equal sizes in a row happen by chance
         with probability below 1e-12: the batches come from a fixed-size loader.
         """
-        last, run, warned = self._size_watch
-        if warned or q >= 1 or examples == 0:
+        watch = self._size_watch
+        if watch.warned or q >= 1 or examples == 0:
             return
-        run = run + 1 if examples == last else 1
-        self._size_watch = [examples, run, False]
+        watch.run = watch.run + 1 if examples == watch.last else 1
+        watch.last, run = examples, watch.run
         if run >= _FIXED_SIZE_STEPS and local_expected * (1 - q) >= 1:
-            self._size_watch[2] = True
+            watch.warned = True
             warnings.warn(
                 f"the last {run} batches all had {examples} examples, but the privacy accounting "
                 f"assumes Poisson sampling (sample_rate={q}), whose batch sizes vary. A shuffled "
@@ -457,16 +479,15 @@ class DPOptimizerMixin:
         sampling the mean of k batch sizes has standard deviation below sqrt(B / k): the
         bound below (5 of those plus 5%) is practically never crossed by chance.
         """
-        expected, steps, total, warned = self._mean_watch
-        if warned:
+        watch = self._mean_watch
+        if watch.warned:
             return
-        if expected != local_expected:
-            expected, steps, total = local_expected, 0, 0
-        steps, total = steps + 1, total + examples
-        self._mean_watch = [expected, steps, total, False]
-        mean = total / steps
+        if watch.expected != local_expected:
+            watch = self._mean_watch = _MeanWatch(local_expected)
+        watch.steps, watch.examples = watch.steps + 1, watch.examples + examples
+        expected, steps, mean = watch.expected, watch.steps, watch.examples / watch.steps
         if steps >= 50 and abs(mean - expected) > 5 * math.sqrt(expected / steps) + 0.05 * expected:
-            self._mean_watch[3] = True
+            watch.warned = True
             warnings.warn(
                 f"expected_batch_size is {expected:g} (per process) but the last {steps} batches held "
                 f"{mean:.1f} examples on average: check sample_rate and dataset_size (with "
@@ -477,19 +498,17 @@ class DPOptimizerMixin:
 
     # ----------------------------------------------------------------- accounting
     def _record(self, sigma: float, q: float) -> None:
-        if self._ledger and self._ledger[-1][0] == sigma and self._ledger[-1][1] == q:
-            self._ledger[-1][2] += 1
-        else:
-            self._ledger.append([sigma, q, 1])
+        self._ledger = self._ledger.compose(sigma, q)
 
     @property
-    def ledger(self) -> tuple[tuple[float, float, int], ...]:
-        """The steps taken, as runs ``(noise_multiplier, sample_rate, count)``."""
-        return tuple(tuple(run) for run in self._ledger)
+    def ledger(self) -> tuple:
+        """The steps taken, as runs ``(noise_multiplier, sample_rate, count)``
+        (:class:`dpoptim.accounting.Run`), consecutive identical steps merged."""
+        return self._ledger.runs
 
     @property
     def steps_taken(self) -> int:
-        return sum(run[2] for run in self._ledger)
+        return self._ledger.steps
 
     def privacy_spent(self, delta: float | None = None, accountant: str | None = None) -> PrivacySpent:
         """``(epsilon, delta)`` spent so far: the Poisson-subsampled Gaussian mechanism
@@ -530,7 +549,7 @@ class DPOptimizerMixin:
     def state_dict(self) -> dict:
         state = super().state_dict()
         state["dpoptim"] = {
-            "ledger": [list(run) for run in self._ledger],
+            "ledger": [list(run) for run in self._ledger.runs],
             "steps_taken": self.steps_taken,
             "expected_batch_size": self.expected_batch_size,
             "sample_rate": self.sample_rate,
@@ -568,8 +587,11 @@ class DPOptimizerMixin:
                 "this state_dict has no 'dpoptim' entry (privacy ledger): it was not saved by a "
                 "dpoptim optimizer, and resuming from it would under-report epsilon"
             )
-        saved = [list(run) for run in dp["ledger"]]
-        if "steps_taken" in dp and dp["steps_taken"] != sum(run[2] for run in saved):
+        try:
+            saved = type(self._ledger)(dp["ledger"])
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"this state_dict's privacy ledger is corrupted: {exc}") from None
+        if "steps_taken" in dp and dp["steps_taken"] != saved.steps:
             raise ValueError("this state_dict's privacy ledger does not add up to its step count: it is corrupted")
         merged = _merge_ledgers(self._ledger, saved, ledger)
         super().load_state_dict(state_dict)
@@ -592,47 +614,34 @@ class DPOptimizerMixin:
             self._user_generator.set_state(dp["generator"])
 
 
-def _merge_ledgers(current: list, saved: list, how: str | None) -> list:
-    """The ledger after loading ``saved`` into an optimizer holding ``current`` (see
-    :meth:`DPOptimizerMixin.load_state_dict`); runs are ``[sigma, q, count]``."""
+def _merge_ledgers(current, saved, how: str | None):
+    """The ledger after loading ``saved`` into an optimizer holding ``current`` (both
+    :class:`dpoptim.accounting.Ledger`; see :meth:`DPOptimizerMixin.load_state_dict`)."""
     if how == "checkpoint" or _starts_with(saved, current):
-        return [list(run) for run in saved]
+        return saved
     if _starts_with(current, saved):
-        return [list(run) for run in current]
+        return current
     if how == "both":
-        return [list(run) for run in current] + [list(run) for run in saved]
+        return type(current)(current.runs + saved.runs)
     raise ValueError(
-        f"this optimizer has taken {sum(r[2] for r in current)} steps that the checkpoint's ledger "
-        f"({sum(r[2] for r in saved)} steps) does not contain, and loading it would lower the privacy "
+        f"this optimizer has taken {current.steps} steps that the checkpoint's ledger "
+        f"({saved.steps} steps) does not contain, and loading it would lower the privacy "
         "charged. Load checkpoints into a freshly built optimizer, or pass ledger='both' to "
         "charge both histories (ledger='checkpoint' replaces this optimizer's steps: only if "
         "nothing computed in them is ever released)."
     )
 
 
-def _starts_with(runs: list, prefix: list) -> bool:
-    """Whether the steps of ``runs`` begin with the steps of ``prefix`` (both ledgers of runs
-    ``[sigma, q, count]``)."""
-    a, b = _normalised(runs), _normalised(prefix)
+def _starts_with(ledger, prefix) -> bool:
+    """Whether the steps of ``ledger`` begin with the steps of ``prefix`` (both ledgers:
+    adjacent identical runs merged, empty runs dropped)."""
+    a, b = ledger.runs, prefix.runs
     if not b:
         return True
     if len(b) > len(a) or a[: len(b) - 1] != b[:-1]:
         return False
     last, there = b[-1], a[len(b) - 1]
-    return last[:2] == there[:2] and last[2] <= there[2]
-
-
-def _normalised(runs: list) -> list:
-    """Adjacent runs of the same ``(sigma, q)`` merged, empty runs dropped."""
-    out: list = []
-    for sigma, q, count in runs:
-        if count <= 0:
-            continue
-        if out and out[-1][:2] == [float(sigma), float(q)]:
-            out[-1][2] += int(count)
-        else:
-            out.append([float(sigma), float(q), int(count)])
-    return out
+    return last[:2] == there[:2] and last.count <= there.count
 
 
 # Optimizers that cannot take a privatised gradient: why, and what to use instead.
