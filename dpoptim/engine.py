@@ -35,7 +35,7 @@ import weakref
 import torch
 from torch import nn
 
-from . import _torch
+from . import _torch, cost
 from .errors import PrivacyWarning, UnsupportedLayerError
 from .privatize import clip_factors
 from . import paths
@@ -742,11 +742,9 @@ class GradEngine:
             if pid in refused:
                 continue
             p = self._params[pid]
-            n = found[0][0].shape[0]
             rows = sum(out_side.shape[1] for out_side, _ in found)
-            width = p.shape[0] + (p[0].numel() if p.dim() > 1 else 1)
-            # Ghost ~ rows^2 (p + d) per example; materialising ~ rows p d, and n p d memory.
-            if rows * width <= p.numel() or n * p.numel() > _MATERIALIZE_LIMIT:
+            d = p[0].numel() if p.dim() > 1 else 1
+            if cost.ghost_is_cheaper(rows, d, p.shape[0], examples=found[0][0].shape[0]):
                 out[pid] = found
         return out
 
@@ -837,11 +835,6 @@ _USED_ELSEWHERE = (
     "the parameters), or its module's rule is wrong. Route every use through a module with a "
     "rule; put weight penalties in the optimizer's weight_decay."
 )
-
-
-# Above this many numbers, a shared parameter's per-example gradients are not materialised
-# when its rules offer factored terms, even where that would be the cheaper route.
-_MATERIALIZE_LIMIT = 1 << 24
 
 
 def _check_examples_against_model(uses, n: int) -> None:

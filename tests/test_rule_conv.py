@@ -6,6 +6,7 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 import dpoptim
+import dpoptim.cost
 import dpoptim.rules.conv as conv_rule
 from oracle import assert_trains_with_noise, check_rule_case, mse
 
@@ -86,7 +87,7 @@ def test_conv_matches_oracle(case, n, reduction, clip):
 def test_both_norm_routes_match_oracle(monkeypatch, ghost, groups, chunk_bytes):
     # The cost model picks one route per shape; force each so both are always covered,
     # with the batch in one chunk and one example per chunk.
-    monkeypatch.setattr(conv_rule.ConvRule, "use_ghost", staticmethod(lambda T, d, p: ghost))
+    monkeypatch.setattr(dpoptim.cost, "ghost_is_cheaper", lambda *shape, **kw: ghost)
     monkeypatch.setattr(conv_rule, "CHUNK_BYTES", chunk_bytes)
     g = torch.Generator().manual_seed(groups)
     x = torch.randn(5, 6, 7, 6, generator=g, dtype=torch.float64)
@@ -197,7 +198,7 @@ def test_only_convs_whose_input_leads_to_an_attached_parameter_detach_everything
 @pytest.mark.parametrize("ghost", [True, False], ids=["ghost", "materialized"])
 def test_cuda_convs_match_oracle(monkeypatch, ghost):
     """Chunked patches, the conv kernel's clipped sum and detach_all on the GPU."""
-    monkeypatch.setattr(conv_rule.ConvRule, "use_ghost", staticmethod(lambda T, d, p: ghost))
+    monkeypatch.setattr(dpoptim.cost, "ghost_is_cheaper", lambda *shape, **kw: ghost)
     monkeypatch.setattr(conv_rule, "CHUNK_BYTES", 512)
     g = torch.Generator().manual_seed(22)
     cuda = torch.device("cuda")

@@ -35,3 +35,14 @@ def test_linear_accumulation_equals_one_batch(splits):
     y = torch.randn(n, 3, 2, generator=g, dtype=torch.float64)
     make = lambda: nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)).double()
     check_rule_case(make, (x,), y, lambda m, x: m(x), mse, splits=splits)
+
+
+def test_one_cost_rule_decides_every_norm_route():
+    """The ghost-versus-materialise decision lives in dpoptim.cost alone: ghost when
+    T^2 (d + p) < T d p, or when materialising n d p numbers would pass the limit."""
+    from dpoptim import cost
+
+    assert cost.ghost_is_cheaper(4, 64, 64) and not cost.ghost_is_cheaper(64, 4, 4)
+    assert cost.ghost_is_cheaper(64, 4, 4, examples=cost.MATERIALIZE_LIMIT)
+    assert cost.ghost_together_is_cheaper(16, 32, [32, 32]) and not cost.ghost_together_is_cheaper(16, 32, [32])
+    assert cost.embedding_gram_is_cheaper(16, 64) and not cost.embedding_gram_is_cheaper(256, 1024)

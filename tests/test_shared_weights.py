@@ -15,7 +15,7 @@ from torch import nn
 import dpoptim
 import dpoptim.rules.attention  # noqa: F401  (registers the rules until dpoptim.rules imports them)
 import dpoptim.rules.rnn  # noqa: F401
-from dpoptim import engine as dp_engine
+from dpoptim import cost as dp_cost, engine as dp_engine
 from oracle import check_rule_case, mse, per_example_gradients
 
 F64 = torch.float64
@@ -26,15 +26,15 @@ ROUTES = pytest.mark.parametrize("route", ["terms", "materialized"])
 def shared_route(route):
     """Force how shared parameters get their cross terms: from the rules' factored terms
     whatever the cost ('terms'), or from materialised per-example gradients."""
-    limit, shared_terms = dp_engine._MATERIALIZE_LIMIT, dp_engine.GradEngine._shared_terms
+    limit, shared_terms = dp_cost.MATERIALIZE_LIMIT, dp_engine.GradEngine._shared_terms
     try:
         if route == "terms":
-            dp_engine._MATERIALIZE_LIMIT = -1
+            dp_cost.MATERIALIZE_LIMIT = -1
         else:
             dp_engine.GradEngine._shared_terms = lambda self, uses, counts: {}
         yield
     finally:
-        dp_engine._MATERIALIZE_LIMIT, dp_engine.GradEngine._shared_terms = limit, shared_terms
+        dp_cost.MATERIALIZE_LIMIT, dp_engine.GradEngine._shared_terms = limit, shared_terms
 
 
 def _randn(g, *shape):
@@ -208,7 +208,7 @@ def test_tied_embedding_is_never_materialised(monkeypatch):
 
     monkeypatch.setattr(EmbeddingRule, "per_example", refuse)
     monkeypatch.setattr(LinearRule, "per_example", refuse)
-    monkeypatch.setattr(dp_engine, "_MATERIALIZE_LIMIT", 0)
+    monkeypatch.setattr(dp_cost, "MATERIALIZE_LIMIT", 0)
     g = torch.Generator().manual_seed(9)
     tokens = torch.randint(50, (4, 6), generator=g, dtype=torch.int32)  # int32 indices work too
     y = _randn(g, 4, 6 * 50)

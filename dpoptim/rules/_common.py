@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from .. import cost
+
 
 def batched(x: torch.Tensor, module, what: str, min_dim: int = 2) -> torch.Tensor:
     """Check that ``x`` has a batch dimension in front."""
@@ -70,7 +72,7 @@ def ghost_or_materialize(a: torch.Tensor, b: torch.Tensor, cache: dict) -> torch
     p = b.shape[-1]
     if T == 1:
         return squared_norms(a) * squared_norms(b)
-    if T * T * (d + p) < T * d * p:
+    if cost.ghost_is_cheaper(T, d, p):
         return batched_dot(torch.bmm(a, a.transpose(1, 2)), torch.bmm(b, b.transpose(1, 2)))
     g = cache["materialized"] = torch.bmm(b.transpose(1, 2), a)
     return squared_norms(g)

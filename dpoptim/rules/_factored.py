@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import cost
 from ..registry import Rule, Use
 from ._common import batched_dot, scaled_product, squared_norms
 
@@ -137,14 +138,9 @@ def _plan(factored: dict) -> None:
                 groups.setdefault(id(block.b), []).append(block)
     for blocks in groups.values():
         T, p = blocks[0].rows, blocks[0].b.shape[2]
-        alone = [(T * T * (blk.a.shape[2] + p), T * blk.a.shape[2] * p) for blk in blocks]
-        together = T * T * p + sum(T * T * blk.a.shape[2] for blk in blocks)
-        if len(blocks) > 1 and together <= sum(min(g, m) for g, m in alone):
-            for blk in blocks:
-                blk.ghost = True
-        else:
-            for blk, (g, m) in zip(blocks, alone):
-                blk.ghost = g < m
+        together = cost.ghost_together_is_cheaper(T, p, [blk.a.shape[2] for blk in blocks])
+        for blk in blocks:
+            blk.ghost = together or cost.ghost_is_cheaper(T, blk.a.shape[2], p)
 
 
 class FactoredRule(Rule):

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import _torch
+from .. import _torch, cost
 from ..registry import Rule, Use, register_rule
 from ._common import batched, common_dtype
 
@@ -101,12 +101,6 @@ class ConvRule(Rule):
     def save(self, module, args, kwargs, output):
         x = args[0] if args else kwargs["input"]
         return batched(x, module, "input", min_dim=len(module.kernel_size) + 2)
-
-    @staticmethod
-    def use_ghost(T: int, d: int, p: int) -> bool:
-        """The norm route for ``T`` positions, patch width ``d``, ``p`` outputs per group:
-        ghost (~T^2 (d + p) per example) when cheaper than materialising (~T d p)."""
-        return T * T * (d + p) < T * d * p
 
     def _prepared(self, use: Use):
         """The padded input ``[n, C_in, *S]`` and output gradient ``[n, C_out, *L]`` in the
@@ -182,7 +176,7 @@ class ConvRule(Rule):
         out = {}
         if "weight" in names:
             groups, T, d, p = self._shapes(module, x, grad)
-            if "materialized" in use.cache or not self.use_ghost(T, d, p):
+            if "materialized" in use.cache or not cost.ghost_is_cheaper(T, d, p):
                 out["weight"] = torch.linalg.vector_norm(self._materialize(use).flatten(1), dim=1).square()
             else:
                 norms = x.new_empty(x.shape[0])

@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from ..registry import Rule, Use, register_rule
-from .. import paths
+from .. import cost, paths
 from ._common import batched, batched_dot, common_dtype, squared_norms
 from .shared import SharedTensorError, broadcast_alias, per_example_of_uses
 
@@ -76,11 +76,6 @@ def _check_options(module) -> None:
             "max_norm=None; to bound the rows, renormalise every row after each step "
             "(with torch.no_grad(): emb.weight.renorm_(2, 0, max_norm))."
         )
-
-
-def _ghost_is_cheaper(T: int, p: int) -> bool:
-    """Measured on CPU: the masked Gram matrix beats sorting up to about here."""
-    return T <= 128 and T < 2 * p
 
 
 def _runs(keys: torch.Tensor):
@@ -168,7 +163,7 @@ class EmbeddingRule(Rule):
         n, T, p = b.shape
         if T <= 1:
             return {"weight": squared_norms(b)}
-        if _ghost_is_cheaper(T, p):  # the Gram matrix of b, masked to equal indices
+        if cost.embedding_gram_is_cheaper(T, p):  # the Gram matrix of b, masked to equal indices
             same = indices.unsqueeze(2) == indices.unsqueeze(1)
             return {"weight": batched_dot(torch.bmm(b, b.transpose(1, 2)), same.to(b.dtype))}
         # Sorting puts equal indices next to each other; a run of equal indices is one row of g_i.
