@@ -43,12 +43,13 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import torch
+
+from .nested import map_structure
 
 __all__ = ["clopper_pearson", "epsilon_lower_bound", "AuditBound", "choose_threshold", "held_out_bound",
            "audit_model", "ModelAudit"]
@@ -378,16 +379,7 @@ def _score(kind, initial, model, canary, loss_fn, direction) -> float:
 
 def _concat(a, b):
     """Two batches of the same structure, one after the other along dim 0."""
-    if isinstance(a, torch.Tensor):
-        return a if a.dim() == 0 else torch.cat([a, b.to(a.device)])
-    if isinstance(a, Mapping):
-        from .data import _mapping_like
+    def tensor(x, y):
+        return torch.cat([x, y.to(x.device)]) if isinstance(x, torch.Tensor) and x.dim() else x
 
-        return _mapping_like(a, {k: _concat(v, b[k]) for k, v in a.items()})
-    if isinstance(a, tuple) and hasattr(a, "_fields"):
-        return type(a)(*(_concat(x, y) for x, y in zip(a, b)))
-    if isinstance(a, (list, tuple)):
-        if a and all(not isinstance(v, (torch.Tensor, Mapping, list, tuple)) for v in a):
-            return type(a)(list(a) + list(b))
-        return type(a)(_concat(x, y) for x, y in zip(a, b))
-    return a
+    return map_structure(tensor, a, b, values=lambda x, y: type(x)(list(x) + list(y)))

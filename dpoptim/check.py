@@ -27,14 +27,14 @@ import copy
 import math
 import random
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from . import _torch
-from .data import _batch_sizes, _is_leaf_value, _mapping_like
+from .data import _batch_sizes
+from .nested import map_structure, map_tensors
 from .errors import UnsupportedLayerError
 
 __all__ = ["check", "CheckResult"]
@@ -263,7 +263,7 @@ class _Checker:
             batch = self.batch
             if dtype is not None:
                 ref.to(dtype)
-                batch = _map_tensors(batch, lambda t: t.to(dtype) if t.is_floating_point() else t)
+                batch = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
             disabled = _disable_dropout(ref)
             for p in ref.parameters():
                 p.grad = None
@@ -575,31 +575,12 @@ def take(batch, indices):
 
 
 def _take(obj, indices, n):
-    if isinstance(obj, torch.Tensor):
-        if obj.dim() == 0:
-            return obj
-        return obj[torch.as_tensor(indices, dtype=torch.long, device=obj.device)]
-    if isinstance(obj, Mapping):
-        return _mapping_like(obj, {k: _take(v, indices, n) for k, v in obj.items()})
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_take(v, indices, n) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        if obj and all(_is_leaf_value(v) for v in obj):
-            return type(obj)(obj[i] for i in indices) if len(obj) == n else obj
-        return type(obj)(_take(v, indices, n) for v in obj)
-    return obj
+    def tensor(x):
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            return x
+        return x[torch.as_tensor(indices, dtype=torch.long, device=x.device)]
 
-
-def _map_tensors(obj, fn):
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, Mapping):
-        return _mapping_like(obj, {k: _map_tensors(v, fn) for k, v in obj.items()})
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_map_tensors(v, fn) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(v, fn) for v in obj)
-    return obj
+    return map_structure(tensor, obj, values=lambda seq: type(seq)(seq[i] for i in indices) if len(seq) == n else seq)
 
 
 def _disable_dropout(model: nn.Module) -> list[str]:

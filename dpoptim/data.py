@@ -21,12 +21,12 @@ A logical batch larger than memory allows is split into physical chunks with
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler, default_collate
 
 from . import distributed
+from .nested import map_structure, map_tensors, visit_tensors
 from .privatize import fresh_generator
 
 __all__ = [
@@ -147,45 +147,22 @@ class _EmptyAwareCollate:
         return self.collate_fn(examples)
 
 
-def _mapping_like(original, items: dict):
-    try:
-        return type(original)(items)
-    except TypeError:  # e.g. defaultdict, whose first argument is a factory
-        return items
-
-
-def _is_leaf_value(x) -> bool:
-    return not isinstance(x, (torch.Tensor, Mapping, list, tuple))
-
-
 def _cut_to_empty(one, two):
-    if isinstance(one, torch.Tensor):
-        if isinstance(two, torch.Tensor) and one.dim() == two.dim():
-            for dim, (a, b) in enumerate(zip(one.shape, two.shape)):
-                if a == 1 and b == 2:
-                    return one.narrow(dim, 0, 0).clone()
-        return one
-    if isinstance(one, Mapping):
-        return _mapping_like(one, {key: _cut_to_empty(one[key], two[key]) for key in one})
-    if isinstance(one, tuple) and hasattr(one, "_fields"):
-        return type(one)(*(_cut_to_empty(a, b) for a, b in zip(one, two)))
-    if isinstance(one, (list, tuple)):
-        if len(one) == 1 and len(two) == 2 and all(_is_leaf_value(v) for v in one):
-            return type(one)()  # a batch of strings or other plain values
-        return type(one)(_cut_to_empty(a, b) for a, b in zip(one, two))
-    return one
+    def tensor(a, b):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == b.dim():
+            for dim, (x, y) in enumerate(zip(a.shape, b.shape)):
+                if x == 1 and y == 2:
+                    return a.narrow(dim, 0, 0).clone()
+        return a
+
+    def plain(a, b):  # a batch of strings or other plain values
+        return type(a)() if len(a) == 1 and len(b) == 2 else a
+
+    return map_structure(tensor, one, two, values=plain)
 
 
 def _fresh(template):
-    if isinstance(template, torch.Tensor):
-        return template.clone()
-    if isinstance(template, Mapping):
-        return _mapping_like(template, {key: _fresh(v) for key, v in template.items()})
-    if isinstance(template, tuple) and hasattr(template, "_fields"):
-        return type(template)(*(_fresh(v) for v in template))
-    if isinstance(template, (list, tuple)):
-        return type(template)(_fresh(v) for v in template)
-    return template
+    return map_tensors(torch.Tensor.clone, template)
 
 
 class PoissonDataLoader(DataLoader):
@@ -295,28 +272,13 @@ def split_batch(batch, max_physical_batch_size: int):
 
 
 def _batch_sizes(obj, sizes) -> None:
-    if isinstance(obj, torch.Tensor):
-        if obj.dim() > 0:  # a 0-dimensional tensor has no batch dimension: repeated
-            sizes.add(obj.shape[0])
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            _batch_sizes(v, sizes)
-    elif isinstance(obj, (list, tuple)):
-        if obj and all(_is_leaf_value(v) for v in obj) and not hasattr(obj, "_fields"):
-            return  # plain values: cut if their count matches, checked in _cut
-        for v in obj:
-            _batch_sizes(v, sizes)
+    def add(t):
+        if t.dim() > 0:  # a 0-dimensional tensor has no batch dimension: repeated
+            sizes.add(t.shape[0])
+
+    visit_tensors(add, obj)  # plain values are cut if their count matches, checked in _cut
 
 
 def _cut(obj, start, stop, n):
-    if isinstance(obj, torch.Tensor):
-        return obj[start:stop] if obj.dim() > 0 else obj
-    if isinstance(obj, Mapping):
-        return _mapping_like(obj, {k: _cut(v, start, stop, n) for k, v in obj.items()})
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_cut(v, start, stop, n) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        if obj and all(_is_leaf_value(v) for v in obj):
-            return obj[start:stop] if len(obj) == n else obj
-        return type(obj)(_cut(v, start, stop, n) for v in obj)
-    return obj
+    return map_structure(lambda x: x[start:stop] if isinstance(x, torch.Tensor) and x.dim() > 0 else x, obj,
+                         values=lambda seq: seq[start:stop] if len(seq) == n else seq)

@@ -37,6 +37,7 @@ from torch import nn
 
 from . import _torch, cost
 from .errors import PrivacyWarning, UnsupportedLayerError
+from .nested import map_tensors
 from .privatize import clip_factors
 from . import paths
 from .registry import Use, resolve_rule
@@ -199,18 +200,6 @@ def _remove_all(handles):
     for handle in handles:
         handle.remove()
     handles.clear()
-
-
-def _map_tensors(obj, fn):
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_map_tensors(v, fn) for v in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_map_tensors(v, fn) for v in obj)
-    if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
-    return obj
 
 
 def _finite_or_zero(t: torch.Tensor) -> torch.Tensor:
@@ -664,7 +653,7 @@ class GradEngine:
                 PrivacyWarning,
                 stacklevel=2,
             )
-            uses = [(r, Use(u.module, _map_tensors(u.saved, _finite_or_zero), _map_tensors(u.grad_outputs, _finite_or_zero))) for r, u in uses]
+            uses = [(r, Use(u.module, map_tensors(_finite_or_zero, u.saved), map_tensors(_finite_or_zero, u.grad_outputs))) for r, u in uses]
             shared = {pid: _finite_or_zero(g) for pid, g in shared.items()}
         weights = factors * scale
 

@@ -58,6 +58,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from .. import _torch
+from ..nested import map_tensors
 from ..registry import register_rule
 from ._common import common_dtype, rng_replayed, rng_state
 from ._factored import Factored, FactoredRule, bias_block, weight_block
@@ -67,13 +68,7 @@ __all__ = ["RecurrentRule", "CellRule"]
 
 
 def _detach(x):
-    if isinstance(x, torch.Tensor):
-        return x.detach()
-    if isinstance(x, PackedSequence):
-        return x._replace(data=x.data.detach())
-    if isinstance(x, (tuple, list)):
-        return type(x)(_detach(v) for v in x)
-    return x
+    return map_tensors(torch.Tensor.detach, x)
 
 
 def _unbatched(module, shape) -> ValueError:

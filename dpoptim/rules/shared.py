@@ -45,7 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .._torch import torch_function_subclass_disabled, tree_flatten, tree_unflatten
+from .._torch import torch_function_subclass_disabled
+from ..nested import flatten as tree_flatten, unflatten as tree_unflatten
 from ._common import common_dtype
 
 __all__ = ["SharedTensorError", "SharedMode", "Source", "broadcast_alias", "per_example_of_uses"]
