@@ -2,7 +2,7 @@
 
 A recurrent layer applies ``W_ih`` and ``W_hh`` at every time step, attention applies its
 projections at every token. For one example i, such a weight's gradient is that of a
-Linear layer with T rows (REFERENCE.md, "RNN cell used T times"):
+Linear layer with T rows (a weight used T times, :mod:`dpoptim.rules.linear`):
 
     ``g_i = sum_t b_t a_t^T``   (``a_t``: the row the weight multiplied, ``b_t``: the
                                  gradient of the product);   bias: ``g_i = sum_t b_t``

@@ -2,7 +2,7 @@
 and their cells ``nn.RNNCell``, ``nn.LSTMCell``, ``nn.GRUCell``.
 
 A recurrent weight is applied once per time step, so for example i it has the gradient
-of a Linear layer with one row per step (REFERENCE.md, "RNN cell used T times"):
+of a Linear layer with one row per step (a weight used T times, :mod:`dpoptim.rules.linear`):
 
     ``dL/dW_ih = sum_t dz_t x_t^T``,   ``dL/dW_hh = sum_t dz'_t h_{t-1}^T``,
     ``dL/db_ih = sum_t dz_t``,         ``dL/db_hh = sum_t dz'_t``,
