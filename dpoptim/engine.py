@@ -41,6 +41,7 @@ from .nested import map_tensors
 from .privatize import clip_factors
 from . import paths
 from .registry import Use, resolve_rule
+from .scope import HookScope
 
 __all__ = ["GradEngine"]
 
@@ -233,16 +234,10 @@ class GradEngine:
         self._contexts: dict[int, list] = {}  # module -> the rule's forward contexts now entered
         self._ghosts: set[int] = set()  # parameters autograd no longer reaches through their module
         self._kept: set[int] = set()  # parameters some call left attached: autograd reaches them
-        self._handles += paths.track()  # module paths for error messages; first, so they know the root
-        self._handles += [
-            nn.modules.module.register_module_forward_pre_hook(functools.partial(_forward_pre_hook, self._ref)),
-            nn.modules.module.register_module_forward_hook(
-                functools.partial(_forward_hook, self._ref), with_kwargs=True
-            ),
-            nn.modules.module.register_module_forward_hook(
-                functools.partial(_restore_hook, self._ref), always_call=True
-            ),
-        ]
+        # Process-wide forward hooks until a checked step, then only on the model's modules.
+        self._scope = HookScope(functools.partial(_forward_pre_hook, self._ref),
+                                functools.partial(_forward_hook, self._ref),
+                                functools.partial(_restore_hook, self._ref))
         weakref.finalize(self, _remove_all, self._handles)
         weakref.finalize(self, _remove_all, self._verify_handles)
 
@@ -255,6 +250,7 @@ class GradEngine:
             if names is not None:
                 self._names[id(p)] = names[i]
             self._claim(p)
+            self._scope.widen()  # a new parameter may be used by a model not hooked yet
         self._decisions = weakref.WeakKeyDictionary()
         self._hook_params()
 
@@ -281,6 +277,7 @@ class GradEngine:
 
     def close(self) -> None:
         """Remove every hook this engine installed."""
+        self._scope.close()
         _remove_all(self._handles)
         _remove_all(self._verify_handles)
 
@@ -315,6 +312,8 @@ class GradEngine:
             )
         if self._verify and self._raw_sums:
             self._check_against_autograd()
+        if not self._verify:
+            self._scope.narrow()
         return self._sums
 
     # ----------------------------------------------------------------- hooks
@@ -447,7 +446,9 @@ class GradEngine:
         if self._verify and _autocast_enabled():
             self._autocast_seen = True
         root = paths.current_root()
-        root = root if root is not None and root.module() is not module else None
+        outermost = root.module() if root is not None else None
+        self._scope.note_root(module if outermost is None else outermost)
+        root = root if outermost is not None and outermost is not module else None
         record = _Record(module, rule, params, rule.save(module, args, kwargs, output), len(outputs), root)
         replaced = None
         if not self._verify and not _distributed():

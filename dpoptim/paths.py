@@ -1,8 +1,9 @@
 """Where a module sits in the model, for error messages: ``encoder.layer.0.norm`` and the
 class's full name (``timm.layers.norm.LayerNorm``).
 
-A module does not know its own name; its parent does. Two process-wide hooks, installed
-by each clipping engine for its lifetime (:func:`track`), note the outermost module call
+A module does not know its own name; its parent does. Two hooks, process-wide while a
+clipping engine discovers its model (:func:`track`) and then on that model's modules
+(:func:`hook_module`), note the outermost module call
 of the forward pass running now (or last run), as a :class:`Root`, and a module's path is
 looked up in that module's ``named_modules()`` when an error needs it. The engine also
 reads the number of examples the model was called with from it.
@@ -16,7 +17,7 @@ import weakref
 import torch
 from torch import nn
 
-__all__ = ["Root", "class_name", "current_root", "path_of", "describe", "track"]
+__all__ = ["Root", "class_name", "current_root", "path_of", "describe", "track", "hook_module"]
 
 _state = threading.local()
 
@@ -111,6 +112,16 @@ def track() -> list:
     _claims[0] += 1
     claim = _Claim()
     return [_Handle(handle, claim) for handle in _installed]
+
+
+def hook_module(module) -> list:
+    """The same two hooks on ``module`` alone (prepended: they run before the module's
+    own), for an engine whose hooks are scoped to its model (:mod:`dpoptim.scope`).
+    Returns their handles."""
+    return [
+        module.register_forward_hook(_leave, prepend=True, with_kwargs=True, always_call=True),
+        module.register_forward_pre_hook(_enter, prepend=True),
+    ]
 
 
 def class_name(module_or_class) -> str:
