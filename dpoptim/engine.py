@@ -35,12 +35,12 @@ import weakref
 import torch
 from torch import nn
 
-from . import _torch, cost
+from . import _torch, cost, verify
 from .errors import PrivacyWarning, UnsupportedLayerError
 from .nested import map_tensors
 from .privatize import clip_factors
 from . import paths
-from .registry import Use, resolve_rule
+from .registry import Use, begin_call, end_call, resolve_rule
 from .scope import HookScope
 
 __all__ = ["GradEngine"]
@@ -232,6 +232,7 @@ class GradEngine:
         self.reset()
         self._detached: dict[int, list] = {}
         self._contexts: dict[int, list] = {}  # module -> the rule's forward contexts now entered
+        self._calls: dict[int, int] = {}  # module -> calls with a Rule.call_state now open
         self._ghosts: set[int] = set()  # parameters autograd no longer reaches through their module
         self._kept: set[int] = set()  # parameters some call left attached: autograd reaches them
         # Process-wide forward hooks until a checked step, then only on the model's modules.
@@ -342,6 +343,8 @@ class GradEngine:
         decision = self._decide(module)
         if not decision.claimed:
             return
+        begin_call(module)  # the rule's per-call state (Rule.call_state), until _leave_context
+        self._calls[id(module)] = self._calls.get(id(module), 0) + 1
         decision.rule.check(module)
         context = decision.rule.enter(module, args)
         if context is not None:
@@ -415,6 +418,13 @@ class GradEngine:
         contexts = self._contexts.get(id(module))
         if contexts:  # the innermost call's (a module may call itself)
             contexts.pop().__exit__(None, None, None)
+        open_calls = self._calls.get(id(module))
+        if open_calls:
+            end_call(module)
+            if open_calls == 1:
+                del self._calls[id(module)]
+            else:
+                self._calls[id(module)] = open_calls - 1
 
     def _warn_replaced(self, module, claimed) -> None:
         for name, p in claimed:
@@ -443,8 +453,8 @@ class GradEngine:
         outputs = rule.outputs(module, output)
         if not any(t.requires_grad for t in outputs):
             return
-        if self._verify and _autocast_enabled():
-            self._autocast_seen = True
+        if not self._autocast_seen and _autocast_enabled():
+            self._autocast_seen = True  # tolerances of the checks against autograd
         root = paths.current_root()
         outermost = root.module() if root is not None else None
         self._scope.note_root(module if outermost is None else outermost)
@@ -664,6 +674,9 @@ class GradEngine:
         del factored  # their tensors belong to the uses, released below
         release = not self._verify
         for i, (record, use) in enumerate(uses):
+            problem = verify.check_route(record, use, [n for n, _ in record.params], n, self._autocast_seen)
+            if problem is not None:  # a run-time path taken for the first time, and wrong
+                self._errors.append(problem)
             names = summed(record)
             if names:
                 self._accumulate(self._sums, record, record.rule.clipped_sum(use, names, weights.to(total.dtype)))

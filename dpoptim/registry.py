@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from typing import Any, Callable
 
 import torch
@@ -44,7 +45,7 @@ from torch import nn
 
 from ._torch import own_parameters
 
-__all__ = ["Rule", "Use", "register_rule", "rule_for", "registered_rules", "resolve_rule"]
+__all__ = ["Rule", "RuleMath", "Capture", "Acceleration", "Verification", "Use", "register_rule", "rule_for", "registered_rules", "resolve_rule"]
 
 
 @dataclasses.dataclass
@@ -62,101 +63,9 @@ class Use:
     cache: dict = dataclasses.field(default_factory=dict)
 
 
-class Rule:
-    """Base class for per-layer rules. Subclass it and decorate with :func:`register_rule`.
-
-    ``detach_parameters = True`` lets the engine hide all but the smallest of the module's
-    parameters from autograd during the forward pass, so autograd does not compute weight
-    gradients the rule computes anyway ("ghost differentiation"). Set it only when the
-    module's forward reads its parameters through ``module._parameters`` at call time
-    (true for layers calling ``F.linear``/``F.conv*`` on ``self.weight``; false for fused
-    RNNs, which keep their own list of weight references).
-    """
-
-    detach_parameters = False
-    # With detach_parameters: may the engine detach *every* parameter when the module's
-    # input already has a graph leading to an attached parameter? Worth it when autograd
-    # would do costly work for the one kept attached (a convolution's bias gradient makes
-    # oneDNN compute the weight gradient too).
-    detach_all = False
-
-    def parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
-        """The parameters this rule accounts for, by name relative to ``module``."""
-        return {name: p for name, p in own_parameters(module).items() if p is not None}
-
-    def mixes_examples(self, module: nn.Module) -> str | None:
-        """Why this call of ``module`` mixes the examples of its batch (so that per-example
-        gradients do not exist), or None (the default). Asked after every forward pass with
-        gradients on, whether or not the module owns parameters of the optimizer (a frozen
-        BatchNorm still mixes); a backward that reaches such a call is refused at ``step()``
-        with this text."""
-        return None
-
-    def check(self, module: nn.Module) -> None:
-        """Called before each forward pass with gradients on: raise here to refuse a
-        configuration before the forward changes anything."""
-
-    def forward_context(self, module: nn.Module):
-        """Optional: a context manager the module's forward runs in (entered after
-        :meth:`check`, left when the forward returns or raises), or None. For a kernel
-        setting that makes the forward replayable."""
-        return None
-
-    def enter(self, module: nn.Module, args: tuple):
-        """Optional: like :meth:`forward_context`, but given the call's positional inputs.
-        By default :meth:`forward_context`."""
-        return self.forward_context(module)
-
-    def replace_output(self, module: nn.Module, saved: Any, output: Any) -> Any:
-        """Optional: a replacement for the module's output (an alias of it that carries
-        something on), or None to keep it. Called after :meth:`save`; the gradients the
-        rule receives are still those of the tensors :meth:`outputs` returned."""
-        return None
-
-    def attached(self, module: nn.Module, names: list[str]) -> str | None:
-        """With ``detach_parameters``: the one parameter (of ``names``) to leave attached
-        during the forward, so that every output still has a graph. None: the smallest."""
-        return None
-
-    def save(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        """What to keep from the forward call (by default its positional inputs)."""
-        return args
-
-    def outputs(self, module: nn.Module, output: Any) -> list[torch.Tensor]:
-        """The output tensors whose gradients the rule needs (by default all of them)."""
-        if isinstance(output, torch.Tensor):
-            return [output]
-        if isinstance(output, (tuple, list)):
-            return [t for t in output if isinstance(t, torch.Tensor)]
-        raise TypeError(
-            f"{type(self).__name__} cannot find the output tensors of {type(module).__name__}; "
-            "override Rule.outputs"
-        )
-
-    def inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor] | None:
-        """Optional, with :meth:`input_gradients`: the tensors of this call that its outputs
-        depend on, besides the parameters. A rule that returns them computes their gradients
-        itself, so the engine stands in for the module's own backward after the first step:
-        it routes the outputs through one autograd node whose backward asks
-        :meth:`input_gradients`, and autograd no longer runs the layer's backward kernels,
-        weight gradients included. Worth it for rules that replay the layer's backward
-        anyway (fused recurrent layers). None (the default): autograd's backward runs."""
-        return None
-
-    def input_gradients(self, use: Use) -> list[torch.Tensor | None]:
-        """The gradients of the tensors :meth:`inputs` returned, in order, given the output
-        gradients ``use.grad_outputs`` (None where no gradient is needed). Work kept in
-        ``use.cache`` is there again when the engine asks for norms and clipped sums."""
-        raise NotImplementedError(f"{type(self).__name__} must implement input_gradients to use inputs()")
-
-    def with_outputs(self, module: nn.Module, output: Any, tensors: list[torch.Tensor]) -> Any:
-        """``output`` with the tensors :meth:`outputs` found replaced by ``tensors``, in
-        order (used with :meth:`inputs`)."""
-        if isinstance(output, torch.Tensor):
-            return tensors[0]
-        replacements = iter(tensors)
-        values = [next(replacements) if isinstance(t, torch.Tensor) else t for t in output]
-        return type(output)(*values) if hasattr(output, "_fields") else type(output)(values)
+class RuleMath:
+    """The math of a rule: per-example quantities of one use. Only :meth:`per_example` is
+    required; :meth:`norms` and :meth:`clipped_sum` default to it, :meth:`terms` to None."""
 
     def per_example(self, use: Use, names: list[str]) -> dict[str, torch.Tensor]:
         """Per-example gradients ``g_i(p)``, shape ``[n, *p.shape]``."""
@@ -193,6 +102,168 @@ class Rule:
         if missing:
             cached.update(self.per_example(use, missing))
         return cached
+
+
+class Capture:
+    """How a rule sees a call of its module: which parameters it accounts for, what it
+    keeps from the forward, which output gradients it needs. The defaults fit a module
+    whose forward takes the batch as its first argument and returns tensors."""
+
+    def parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        """The parameters this rule accounts for, by name relative to ``module``."""
+        return {name: p for name, p in own_parameters(module).items() if p is not None}
+
+    def check(self, module: nn.Module) -> None:
+        """Called before each forward pass with gradients on: raise here to refuse a
+        configuration before the forward changes anything."""
+
+    def mixes_examples(self, module: nn.Module) -> str | None:
+        """Why this call of ``module`` mixes the examples of its batch (so that per-example
+        gradients do not exist), or None (the default). Asked after every forward pass with
+        gradients on, whether or not the module owns parameters of the optimizer (a frozen
+        BatchNorm still mixes); a backward that reaches such a call is refused at ``step()``
+        with this text."""
+        return None
+
+    def forward_context(self, module: nn.Module):
+        """Optional: a context manager the module's forward runs in (entered after
+        :meth:`check`, left when the forward returns or raises), or None. For a kernel
+        setting that makes the forward replayable."""
+        return None
+
+    def enter(self, module: nn.Module, args: tuple):
+        """Optional: like :meth:`forward_context`, but given the call's positional inputs.
+        By default :meth:`forward_context`."""
+        return self.forward_context(module)
+
+    def save(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        """What to keep from the forward call (by default its positional inputs)."""
+        return args
+
+    def outputs(self, module: nn.Module, output: Any) -> list[torch.Tensor]:
+        """The output tensors whose gradients the rule needs (by default all of them)."""
+        if isinstance(output, torch.Tensor):
+            return [output]
+        if isinstance(output, (tuple, list)):
+            return [t for t in output if isinstance(t, torch.Tensor)]
+        raise TypeError(
+            f"{type(self).__name__} cannot find the output tensors of {type(module).__name__}; "
+            "override Rule.outputs"
+        )
+
+    def replace_output(self, module: nn.Module, saved: Any, output: Any) -> Any:
+        """Optional: a replacement for the module's output (an alias of it that carries
+        something on), or None to keep it. Called after :meth:`save`; the gradients the
+        rule receives are still those of the tensors :meth:`outputs` returned."""
+        return None
+
+    @staticmethod
+    def call_state(module: nn.Module) -> dict:
+        """Scratch space of ``module``'s call now running on this thread (from :meth:`check`
+        to :meth:`save` and :meth:`outputs`): rules are shared by every module of their type,
+        so state of one call lives here, never on the rule. Empty outside a call."""
+        stack = getattr(_calls, "stacks", {}).get(id(module))
+        return stack[-1] if stack else {}
+
+
+class Acceleration:
+    """Optional ways to make autograd do less for a module; none changes a result. The
+    engine uses them only after the first step has been checked against autograd, and not
+    under torch.distributed.
+
+    ``detach_parameters = True`` lets the engine hide all but one of the module's
+    parameters from autograd during the forward pass, so autograd does not compute weight
+    gradients the rule computes anyway ("ghost differentiation"). Set it only when the
+    module's forward reads its parameters through ``module._parameters`` at call time
+    (true for layers calling ``F.linear``/``F.conv*`` on ``self.weight``; false for fused
+    RNNs, which keep their own list of weight references). A rule that replays the layer's
+    backward anyway can stand in for it (:meth:`inputs`, :meth:`input_gradients`).
+    """
+
+    detach_parameters = False
+    # With detach_parameters: may the engine detach *every* parameter when the module's
+    # input already has a graph leading to an attached parameter? Worth it when autograd
+    # would do costly work for the one kept attached (a convolution's bias gradient makes
+    # oneDNN compute the weight gradient too).
+    detach_all = False
+
+
+    def attached(self, module: nn.Module, names: list[str]) -> str | None:
+        """With ``detach_parameters``: the one parameter (of ``names``) to leave attached
+        during the forward, so that every output still has a graph. None: the smallest."""
+        return None
+
+    def inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor] | None:
+        """Optional, with :meth:`input_gradients`: the tensors of this call that its outputs
+        depend on, besides the parameters. A rule that returns them computes their gradients
+        itself, so the engine stands in for the module's own backward after the first step:
+        it routes the outputs through one autograd node whose backward asks
+        :meth:`input_gradients`, and autograd no longer runs the layer's backward kernels,
+        weight gradients included. Worth it for rules that replay the layer's backward
+        anyway (fused recurrent layers). None (the default): autograd's backward runs."""
+        return None
+
+    def input_gradients(self, use: Use) -> list[torch.Tensor | None]:
+        """The gradients of the tensors :meth:`inputs` returned, in order, given the output
+        gradients ``use.grad_outputs`` (None where no gradient is needed). Work kept in
+        ``use.cache`` is there again when the engine asks for norms and clipped sums."""
+        raise NotImplementedError(f"{type(self).__name__} must implement input_gradients to use inputs()")
+
+    def with_outputs(self, module: nn.Module, output: Any, tensors: list[torch.Tensor]) -> Any:
+        """``output`` with the tensors :meth:`outputs` found replaced by ``tensors``, in
+        order (used with :meth:`inputs`)."""
+        if isinstance(output, torch.Tensor):
+            return tensors[0]
+        replacements = iter(tensors)
+        values = [next(replacements) if isinstance(t, torch.Tensor) else t for t in output]
+        return type(output)(*values) if hasattr(output, "_fields") else type(output)(values)
+
+
+class Verification:
+    """For a rule whose computation depends on what PyTorch did at run time: the name of
+    the path a use took, and autograd's answer for that use, so that each path is checked
+    against autograd the first time it is taken (:mod:`dpoptim.verify`), not only on the
+    first step."""
+
+    def route(self, use: Use):
+        """A hashable name of the path this use took (with what decides its correctness:
+        device type, dtype), or None (the default) when the rule has one path."""
+        return None
+
+    def reference(self, use: Use, names: list[str]) -> dict[str, torch.Tensor] | None:
+        """Autograd's ``sum_i g_i(p)`` for this use alone, recomputed from ``use.saved``
+        (see :func:`dpoptim.verify.autograd_sum`), or None when it cannot be recomputed."""
+        return None
+
+
+class Rule(RuleMath, Capture, Acceleration, Verification):
+    """Base class for per-layer rules: the math (:class:`RuleMath`), capture
+    (:class:`Capture`), acceleration (:class:`Acceleration`) and run-time path checks
+    (:class:`Verification`), each with defaults. Subclass it, implement
+    :meth:`per_example` (or a cheaper route) and decorate with :func:`register_rule`."""
+
+
+# Per thread: id(module) -> a stack of per-call dicts (Capture.call_state), one per call
+# of the module now running (a module may call itself).
+_calls = threading.local()
+
+
+def begin_call(module: nn.Module) -> None:
+    """A call of ``module`` begins (the engine, before the rule's ``check``)."""
+    stacks = getattr(_calls, "stacks", None)
+    if stacks is None:
+        stacks = _calls.stacks = {}
+    stacks.setdefault(id(module), []).append({})
+
+
+def end_call(module: nn.Module) -> None:
+    """The innermost call of ``module`` ended (returned or raised)."""
+    stacks = getattr(_calls, "stacks", None)
+    stack = None if stacks is None else stacks.get(id(module))
+    if stack:
+        stack.pop()
+        if not stack:
+            del stacks[id(module)]
 
 
 _RULES: dict[type, Rule] = {}

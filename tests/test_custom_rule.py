@@ -177,3 +177,47 @@ def test_rule_cache_is_released_at_the_end_of_each_backward():
         opt.step()
         opt.zero_grad()
         rule.refs.clear()
+
+
+def test_docs_list_every_method_of_the_rule_contract():
+    """docs/rules.md names every overridable member of the three parts of the contract."""
+    import pathlib
+
+    from dpoptim.registry import Acceleration, Capture, RuleMath, Verification
+
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "rules.md").read_text()
+    for part in (RuleMath, Capture, Acceleration, Verification):
+        for name in vars(part):
+            if not name.startswith("_"):
+                assert f"`{name}" in text, f"docs/rules.md does not list {part.__name__}.{name}"
+
+
+def test_rules_keep_no_state_of_a_call_on_themselves():
+    """Rules are shared by every module of their type: a call's state (the generator state
+    for dropout replays, the bare rule's open call) lives in Rule.call_state, not on the rule."""
+    from dpoptim.registry import resolve_rule
+
+    lstm = nn.LSTM(3, 4, num_layers=2, dropout=0.5, batch_first=True)
+    attn = nn.MultiheadAttention(4, 2, dropout=0.5, batch_first=True)
+
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return x * self.w
+
+    scale = Scale()
+    params = [*lstm.parameters(), *attn.parameters(), *scale.parameters()]
+    opt = dpoptim.DPSGD(params, lr=0.1, noise_multiplier=0.0, max_grad_norm=1.0,
+                        expected_batch_size=2, sample_rate=0.5)
+    x = torch.randn(2, 5, 3)
+    for _ in range(2):
+        opt.zero_grad()
+        h, _ = lstm(x)
+        y, _ = attn(h, h, h)
+        scale(y).sum().backward()
+        opt.step()
+    for module in (lstm, attn, scale):
+        assert not vars(resolve_rule(module)), type(resolve_rule(module)).__name__

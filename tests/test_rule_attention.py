@@ -374,3 +374,38 @@ def test_cuda_attention_dropout_matches_oracle(dtype, route):
     with attention_route(route):
         check_rule_case(make, (x,), y, lambda m, x: m(x).flatten(1), mse, random=True,
                         rtol=1e-7 if dtype == torch.float64 else 1e-3)
+
+
+def test_a_route_first_taken_after_the_first_step_is_checked_against_autograd(monkeypatch):
+    """The replayed attention first taken on step 2 (weights returned from then on) is
+    compared with autograd there: a wrong replay is an error, not a silent gradient."""
+    from dpoptim import verify
+    from dpoptim.rules.attention import MultiheadAttentionRule
+
+    monkeypatch.setattr(verify, "_VERIFIED", set())
+    attn = nn.MultiheadAttention(4, 2, batch_first=True).double()
+    opt = dpoptim.DPSGD(attn.parameters(), lr=0.1, noise_multiplier=0.0, max_grad_norm=1.0,
+                        expected_batch_size=3, sample_rate=0.5)
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+
+    def step(need_weights):
+        opt.zero_grad()
+        out, weights = attn(x, x, x, need_weights=need_weights)
+        (out.square().sum() + (0 if weights is None else weights.sum())).backward()
+        opt.step()
+
+    step(False)
+    step(False)
+    routes = {route for _, route in verify._VERIFIED}
+    original = MultiheadAttentionRule._replay
+
+    def wrong(self, *args, **kwargs):
+        A, d_heads = original(self, *args, **kwargs)
+        return A * 1.5, d_heads
+
+    monkeypatch.setattr(MultiheadAttentionRule, "_replay", wrong)
+    with pytest.raises(dpoptim.UnsupportedLayerError, match="for the first time"):
+        step(True)
+    monkeypatch.setattr(MultiheadAttentionRule, "_replay", original)
+    step(True)  # the right replay passes, and its route is known from then on
+    assert len({route for _, route in verify._VERIFIED}) > len(routes)

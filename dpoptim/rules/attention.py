@@ -62,7 +62,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +69,7 @@ from torch import nn
 
 from .. import _torch
 from ..registry import Rule, register_rule
+from ..verify import autograd_sum
 from ._common import common_dtype, rng_replayed, rng_state
 from ._factored import Factored, FactoredRule, bias_block, weight_block
 
@@ -161,15 +161,12 @@ class MultiheadAttentionRule(FactoredRule):
                 return name
         return None
 
-    def __init__(self):
-        self._rng_before = weakref.WeakKeyDictionary()  # module -> generator state before its forward
-
     def check(self, module):
         # Attention dropout draws its mask inside the attention kernel. Keep the state the
         # generator had before the forward, so the rule can draw the same mask again.
         if module.training and module.dropout > 0:
             device = module.out_proj.weight.device
-            self._rng_before[module] = (device, rng_state(device))
+            self.call_state(module)["rng_before"] = (device, rng_state(device))
 
     def parameters(self, module):
         params = super().parameters(module)
@@ -196,7 +193,7 @@ class MultiheadAttentionRule(FactoredRule):
         detach = lambda m: None if m is None else m.detach()  # noqa: E731
         dropout = None
         if module.training and module.dropout > 0:
-            device, state = self._rng_before[module]
+            device, state = self.call_state(module)["rng_before"]
             dropout = (module.dropout, device, state, output[0].dtype)
         return {
             "query": batch_major(query), "key": batch_major(key), "value": batch_major(value),
@@ -224,6 +221,7 @@ class MultiheadAttentionRule(FactoredRule):
             dY = dY.transpose(0, 1)
 
         routed = self._tapped(use, n, L, dtype)
+        use.cache["route"] = "tapped" if routed is not None else "replayed"
         A, d_heads = routed if routed is not None else self._replay(use, xq, xk, xv, dY, fused, dtype)
         if fused:  # dq, dk, dv in one copy: [n, L, (q|k|v), heads, d_head]
             dqkv = d_heads[0].new_empty(n, L, 3, heads, E // heads)
@@ -258,6 +256,33 @@ class MultiheadAttentionRule(FactoredRule):
             blocks = [bias_block(dqkv)] if fused else [bias_block(dq), bias_block(dk), bias_block(dv)]
             factors["in_proj_bias"] = Factored(blocks, m.in_proj_bias.shape)
         return factors
+
+    def route(self, use):
+        """Tapped or replayed (with dropout, returning weights or not), on which device and
+        dtype: each checked against autograd the first time it is taken."""
+        taken = use.cache.get("route")
+        if taken is None:
+            return None
+        s = use.saved
+        return (taken, s["dropout"] is not None, bool(s["need_weights"]), s["query"].device.type, s["query"].dtype)
+
+    def reference(self, use, names):
+        m, s = use.module, use.saved
+        layout = (lambda t: t) if m.batch_first else (lambda t: t.transpose(0, 1))
+        q = layout(s["query"])
+        k = q if s["same_qk"] else layout(s["key"])
+        v = k if s["same_kv"] else layout(s["value"])
+        kwargs = {"key_padding_mask": s["key_padding_mask"], "need_weights": s["need_weights"],
+                  "attn_mask": s["attn_mask"], "average_attn_weights": s["average"], "is_causal": s["is_causal"]}
+
+        def forward():
+            if s["dropout"] is None:
+                return list(type(m).forward(m, q, k, v, **kwargs))
+            _, device, state, _ = s["dropout"]
+            with rng_replayed(device, state):  # the forward's own dropout mask
+                return list(type(m).forward(m, q, k, v, **kwargs))
+
+        return autograd_sum(m, names, forward, use.grad_outputs)
 
     @staticmethod
     def _tapped(use, n, L, dtype):

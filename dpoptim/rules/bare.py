@@ -76,9 +76,6 @@ class BareParameterRule(Rule):
 
     lenient = False  # refuse at the op (True: collect refusals; a subclass decides later)
 
-    def __init__(self):
-        self._calls: dict[int, list[_Call]] = {}
-
     def applies(self, module) -> bool:
         # Batch norms never get here: BatchStatisticsGuard (dpoptim.rules.norm) comes first.
         return any(p is not None for p in _torch.own_parameters(module).values())
@@ -92,20 +89,13 @@ class BareParameterRule(Rule):
         if not call.sources:  # all frozen: nothing to follow
             yield
             return
-        stack = self._calls.setdefault(id(module), [])
-        stack.append(call)
-        try:
-            with call.mode:
-                yield
-        finally:
-            stack.pop()
-            if not stack:
-                del self._calls[id(module)]
+        self.call_state(module)["call"] = call
+        with call.mode:
+            yield
 
     def current(self, module) -> _Call | None:
         """The innermost open call of ``module`` (None: its forward began with gradients off)."""
-        stack = self._calls.get(id(module))
-        return stack[-1] if stack else None
+        return self.call_state(module).get("call")
 
     def shared_outputs(self, call: _Call, output) -> list[torch.Tensor]:
         if call.mode.holds(output):

@@ -50,7 +50,6 @@ example from another.
 
 from __future__ import annotations
 
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +59,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from .. import _torch
 from ..nested import map_tensors
 from ..registry import register_rule
+from ..verify import autograd_sum
 from ._common import common_dtype, rng_replayed, rng_state
 from ._factored import Factored, FactoredRule, bias_block, weight_block
 from ._recurrence import LayerWeights, Recurrence, replay_stack
@@ -69,6 +69,10 @@ __all__ = ["RecurrentRule", "CellRule"]
 
 def _detach(x):
     return map_tensors(torch.Tensor.detach, x)
+
+
+def _as_list(output) -> list:
+    return list(output) if isinstance(output, tuple) else [output]
 
 
 def _unbatched(module, shape) -> ValueError:
@@ -123,16 +127,13 @@ def _bound(args, kwargs, index, name):
 class RecurrentRule(FactoredRule):
     """``nn.RNN``, ``nn.LSTM``, ``nn.GRU``: replay and back-propagation through time."""
 
-    def __init__(self):
-        self._rng_before = weakref.WeakKeyDictionary()  # module -> generator state before its forward
-
     @staticmethod
     def _drops(module) -> bool:
         return module.training and module.dropout > 0 and module.num_layers > 1
 
     def check(self, module):
         if self._drops(module):
-            self._rng_before[module] = rng_state(module.weight_ih_l0.device)
+            self.call_state(module)["rng_before"] = rng_state(module.weight_ih_l0.device)
 
     def forward_context(self, module):
         # cuDNN draws the masks between stacked layers from a dropout state of its own that
@@ -155,7 +156,7 @@ class RecurrentRule(FactoredRule):
         if not isinstance(x, PackedSequence) and x.dim() != 3:
             raise _unbatched(module, x.shape)
         out = output[0]
-        state = self._rng_before[module] if self._drops(module) else None
+        state = self.call_state(module)["rng_before"] if self._drops(module) else None
         needs = tuple(t is not None and t.requires_grad for t in self._input_tensors(module, args, kwargs))
         return {"x": _detach(x), "hx": _detach(hx), "state": state, "needs": needs,
                 "out": (out.data if isinstance(out, PackedSequence) else out).detach()}
@@ -319,6 +320,29 @@ class CellRule(FactoredRule):
         # path through h'; a fused kernel (CUDA) returns both from one node and it does not.
         dc_is_total = isinstance(output, tuple) and _consumes(output[0], output[1])
         return x.detach(), _detach(_bound(args, kwargs, 1, "hx")), dc_is_total
+
+    def route(self, use):
+        """Whether ``c'`` carried the total gradient (read off autograd's graph at forward
+        time), with the kernel's device and dtype: checked against autograd once each."""
+        x, _, dc_is_total = use.saved
+        return (self._mode(use.module), dc_is_total, x.device.type, x.dtype)
+
+    def reference(self, use, names):
+        x, hx, _ = use.saved
+        module = use.module
+        grads = list(use.grad_outputs) + [None]
+
+        def forward():
+            out = _as_list(type(module).forward(module, x, hx))
+            if len(out) == 2 and grads[0] is not None and grads[1] is not None:
+                # Where autograd's own graph computes h' from c', the gradient the hook saw
+                # on c' holds the path through h' too: take it out, so each path counts once.
+                through = torch.autograd.grad(out[0], out[1], grads[0], retain_graph=True, allow_unused=True)[0]
+                if through is not None:
+                    grads[1] = grads[1] - through
+            return out
+
+        return autograd_sum(module, names, forward, grads)
 
     def factors(self, use):
         module = use.module
