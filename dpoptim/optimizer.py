@@ -501,10 +501,10 @@ class DPOptimizerMixin:
         self._ledger = self._ledger.compose(sigma, q)
 
     @property
-    def ledger(self) -> tuple:
-        """The steps taken, as runs ``(noise_multiplier, sample_rate, count)``
-        (:class:`dpoptim.accounting.Run`), consecutive identical steps merged."""
-        return self._ledger.runs
+    def ledger(self) -> tuple[tuple[float, float, int], ...]:
+        """The steps taken, as runs ``(noise_multiplier, sample_rate, count)`` (plain tuples:
+        they load with ``torch.load(weights_only=True)``), consecutive identical steps merged."""
+        return tuple(tuple(run) for run in self._ledger.runs)
 
     @property
     def steps_taken(self) -> int:
