@@ -37,7 +37,7 @@ from torch import nn
 
 from .errors import PrivacyWarning, UnsupportedLayerError
 from .privatize import clip_factors
-from . import paths
+from . import fsdp, paths
 from .registry import Use, resolve_rule
 
 __all__ = ["GradEngine"]
@@ -170,8 +170,8 @@ def _mixing_hook(engine_ref, module, grad):
         engine._group().mixing[id(module)] = module
 
 
-def _accumulated_hook(engine_ref, param):
-    engine = engine_ref()
+def _accumulated_hook(engine_ref, param, tensor=None):
+    engine = engine_ref()  # param: the optimizer's; tensor: what autograd accumulated into
     if engine is not None:
         engine._group(arriving=id(param)).accumulated[id(param)] = param
 
@@ -240,6 +240,10 @@ class GradEngine:
         self._contexts: dict[int, list] = {}  # module -> the rule's forward contexts now entered
         self._ghosts: set[int] = set()  # parameters autograd no longer reaches through their module
         self._kept: set[int] = set()  # parameters some call left attached: autograd reaches them
+        # FSDP2: (id(module), name) -> the sharded parameter that slot holds between forwards,
+        # and id(unsharded parameter) -> (weakref to it, the sharded one it stands in for).
+        self._slots: dict[tuple[int, str], torch.Tensor] = {}
+        self._aliases: dict[int, tuple] = {}
         self._handles += paths.track()  # module paths for error messages; first, so they know the root
         self._handles += [
             nn.modules.module.register_module_forward_pre_hook(functools.partial(_forward_pre_hook, self._ref)),
@@ -280,7 +284,9 @@ class GradEngine:
     def _hook_params(self) -> None:
         """Hook every trainable parameter (a frozen one is hooked once it is unfrozen)."""
         for pid, p in self._params.items():
-            if p.requires_grad and pid not in self._hooked:
+            # An FSDP2-sharded parameter is hooked through its unsharded stand-in (_alias):
+            # FSDP writes the sharded .grad itself, after the backward.
+            if p.requires_grad and pid not in self._hooked and not fsdp.is_sharded(p):
                 self._hooked.add(pid)
                 self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(_accumulated_hook, self._ref)))
                 if self._verify:
@@ -325,20 +331,60 @@ class GradEngine:
         return self._sums
 
     # ----------------------------------------------------------------- hooks
+    def _owned(self, p):
+        """The optimizer's parameter ``p`` is or stands in for (FSDP2's unsharded copy of a
+        sharded one), or None."""
+        if p is None:
+            return None
+        if id(p) in self._params:
+            return p
+        alias = self._aliases.get(id(p))
+        return alias[1] if alias is not None and alias[0]() is p else None
+
+    def _remember_slots(self, module) -> None:
+        """Before an FSDP module's forward its slots hold the sharded parameters: note which
+        slot holds which, so the unsharded ones FSDP puts there are recognised."""
+        for sub, name, p in fsdp.sharded_slots(module, self._params):
+            self._slots[(id(sub), name)] = p
+
+    def _alias(self, module, name, p):
+        """Recognise ``p`` in ``module``'s slot ``name`` as FSDP2's unsharded stand-in for
+        a sharded parameter of this optimizer; hook it as the sharded one is hooked."""
+        sharded = self._slots.get((id(module), name))
+        if sharded is None or p is None or id(p) in self._params or self._owned(p) is sharded:
+            return
+        fsdp.check_unsharded(p, sharded, f"parameter '{name}' of {paths.describe(module)}")
+        self._aliases[id(p)] = (weakref.ref(p), sharded)
+        if p.requires_grad:
+            self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(_accumulated_hook, self._ref, sharded)))
+            if self._verify:
+                self._verify_handles.append(p.register_hook(functools.partial(_param_grad_hook, self._ref, id(sharded))))
+
+    def _owned_in(self, module, name, p):
+        """:meth:`_owned` for ``p`` found at ``name`` (maybe a child's) of ``module``."""
+        if self._slots and id(p) not in self._params:
+            owner, _, leaf = name.rpartition(".")
+            self._alias(module.get_submodule(owner) if owner else module, leaf, p)
+        return self._owned(p)
+
     def _decide(self, module):
-        key = tuple(map(id, module._parameters.values()))
+        if self._slots:
+            for name, p in module._parameters.items():
+                self._alias(module, name, p)
+        key = tuple(id(p if self._owned(p) is None else self._owned(p)) for p in module._parameters.values())
         cached = self._decisions.get(module)
         if cached is not None and cached[0] == key:
             return cached[1]
         if cached is not None and cached[1] is not None:
             self._warn_replaced(module, cached[1][1])
         for name, p in module._parameters.items():
-            if p is not None and id(p) in self._params:
-                self._owners.setdefault(id(p), (weakref.ref(module), name))
+            if self._owned(p) is not None:
+                self._owners.setdefault(id(self._owned(p)), (weakref.ref(module), name))
         decision = None
         rule = resolve_rule(module)
         if rule is not None:
-            claimed = [(n, p) for n, p in rule.parameters(module).items() if id(p) in self._params]
+            claimed = [(n, self._owned_in(module, n, p)) for n, p in rule.parameters(module).items()]
+            claimed = [(n, p) for n, p in claimed if p is not None]
             if claimed:
                 decision = (rule, claimed)
         self._decisions[module] = (key, decision)
@@ -351,6 +397,8 @@ class GradEngine:
                 "forward hides the layers from dpoptim's hooks. Compile the model in place instead: "
                 "model.compile(), then call model as usual."
             )
+        if fsdp.is_fsdp_module(module):
+            self._remember_slots(module)
         decision = self._decide(module)
         if decision is None:
             return
@@ -431,7 +479,7 @@ class GradEngine:
     def _warn_replaced(self, module, claimed) -> None:
         for name, p in claimed:
             owner, _, leaf = name.rpartition(".")  # a rule may claim a child's parameter
-            if module.get_submodule(owner)._parameters.get(leaf) is not p:
+            if self._owned(module.get_submodule(owner)._parameters.get(leaf)) is not p:
                 warnings.warn(
                     f"parameter '{name}' of {type(module).__name__} was replaced after the optimizer was "
                     "built; the new one is not in the optimizer and will not be trained. Build the "
@@ -526,6 +574,7 @@ class GradEngine:
             if pid == arriving:
                 continue
             grad = self._params[pid].grad
+            grad = None if grad is None else fsdp.local(grad)
             if grad is None or ((grad is not ref() or grad._version != version) and not bool(grad.any())):
                 cleared.append(pid)
         if not cleared:
@@ -708,6 +757,7 @@ class GradEngine:
         all-zero gradient is no evidence either way (zeroing it changes nothing), so only
         non-zero ones are marked: one device sync for all of them."""
         grads = [(pid, p.grad) for pid, p in accumulated.items() if p.grad is not None and not p.grad.is_sparse]
+        grads = [(pid, fsdp.local(g)) for pid, g in grads]  # an FSDP2 gradient: this rank's shard
         if not grads:
             return
         nonzero = torch.stack([g.ne(0).any().to(grads[0][1].device) for _, g in grads]).tolist()

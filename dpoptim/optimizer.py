@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import distributed
+from . import distributed, fsdp
 from .data import batches_per_epoch
 from .engine import GradEngine
 from .errors import PrivacyBudgetExceeded, PrivacyWarning
@@ -230,6 +230,7 @@ class DPOptimizerMixin:
         self.max_epsilon = None if max_epsilon is None else float(max_epsilon)
         self._user_generator = generator
         self._written: dict[int, weakref.ref] = {}  # id(param) -> the .grad the last step() wrote
+        self._checked_layouts: set[int] = set()  # FSDP2 parameters whose sharding was checked
         self.secure_mode = bool(secure_mode)
         self._generators: dict[torch.device, torch.Generator] = {}
         self._ledger: list[list] = []  # runs of [sigma, q, count]
@@ -334,8 +335,12 @@ class DPOptimizerMixin:
         rank, world = distributed.rank_and_size(process_group)
 
         by_device: dict[torch.device, list] = {}
+        sharded = []
         for p in self._updated_params(sums):
             s = sums.get(id(p))
+            if fsdp.is_sharded(p):
+                sharded.append((p, s))
+                continue
             if s is None:
                 s = torch.zeros_like(p, memory_format=torch.preserve_format)
             by_device.setdefault(p.device, []).append((p, s))
@@ -351,6 +356,8 @@ class DPOptimizerMixin:
             distributed.all_reduce_sum_(grads, process_group, settings)
         if grads:
             torch._foreach_div_(grads, batch)
+        if sharded:
+            self._sharded_step(sharded, process_group, loss_scale, sigma, bound, batch)
         for pairs in by_device.values():
             for p, g in pairs:
                 p.grad = g
@@ -362,6 +369,32 @@ class DPOptimizerMixin:
         self._watch_batch_size(examples, q, batch / world)
         self._watch_mean_batch_size(examples, batch / world)
         return loss
+
+    def _sharded_step(self, pairs, process_group, loss_scale, sigma, bound, batch) -> None:
+        """The step of FSDP2's sharded parameters (see :mod:`dpoptim.fsdp`): each rank's
+        full-shape clipped sum is reduce-scattered, and each rank noises its own shard."""
+        for p, s in pairs:  # the same order on every rank: the optimizer's own
+            if id(p) not in self._checked_layouts:
+                fsdp.check_layout(p, process_group, self._engine._describe)
+                self._checked_layouts.add(id(p))
+            full = torch.zeros(p.shape, dtype=p.dtype, device=p.device) if s is None else s
+            local = fsdp.reduce_to_shard(full, p)
+            del full
+            if loss_scale != 1.0:
+                local.div_(loss_scale)
+            generator = self._generator_for(local.device)
+            if self._user_generator is not None:
+                # Every rank draws the whole vector and keeps its slice: the noise of an
+                # unsharded run with this generator, one independent draw per coordinate.
+                noise = add_noise_([torch.zeros(p.shape, dtype=local.dtype, device=local.device)],
+                                   sigma, bound, generator, self.secure_mode)[0]
+                local.add_(fsdp.local_slice(noise, p))
+            else:  # each rank's own generator, seeded by the operating system
+                add_noise_([local], sigma, bound, generator, self.secure_mode)
+            local.div_(batch)
+            g = fsdp.as_grad(local, p)
+            p.grad = g
+            self._written[id(p)] = weakref.ref(g)
 
     def _updated_params(self, sums: dict) -> list:
         """The parameters this step gives a privatised gradient.
