@@ -243,6 +243,7 @@ class GradEngine:
         # FSDP2: (id(module), name) -> the sharded parameter that slot holds between forwards,
         # and id(unsharded parameter) -> (weakref to it, the sharded one it stands in for).
         self._slots: dict[tuple[int, str], torch.Tensor] = {}
+        self._fsdp_owner: dict[int, tuple] = {}  # id(sharded) -> (weakref to its FSDP module, its slot)
         self._aliases: dict[int, tuple] = {}
         self._handles += paths.track()  # module paths for error messages; first, so they know the root
         self._handles += [
@@ -346,6 +347,26 @@ class GradEngine:
         slot holds which, so the unsharded ones FSDP puts there are recognised."""
         for sub, name, p in fsdp.sharded_slots(module, self._params):
             self._slots[(id(sub), name)] = p
+            # the innermost FSDP module around a parameter manages it: it is seen last
+            self._fsdp_owner[id(p)] = (weakref.ref(module), sub, name)
+
+    def _gather_released(self, records) -> list:
+        """Under FSDP2: gather again the weights of the FSDP modules that FSDP has already
+        released (resharded) and whose records' rules read weight values in the clipping
+        (``Rule.reads_weights``). Returns the modules to release again afterwards. A
+        collective: every rank processes the same records in the same order."""
+        gathered = []
+        for record in records:
+            if not record.rule.reads_weights:
+                continue
+            for _, p in record.params:
+                owner = self._fsdp_owner.get(id(p))
+                module = None if owner is None else owner[0]()
+                if module is None or module in gathered or owner[1]._parameters.get(owner[2]) is not p:
+                    continue  # not sharded, already gathered, or its slot holds the gathered one
+                module.unshard()
+                gathered.append(module)
+        return gathered
 
     def _alias(self, module, name, p):
         """Recognise ``p`` in ``module``'s slot ``name`` as FSDP2's unsharded stand-in for
@@ -662,8 +683,13 @@ class GradEngine:
                     stacklevel=2,
                 )
         uses = [(record, Use(record.module, record.saved, grads, record.cache)) for record, grads in group.uses.values()]
-        with _no_autocast():
-            self._process_uses(group, uses, counts)
+        gathered = self._gather_released([record for record, _ in uses]) if self._fsdp_owner else []
+        try:
+            with _no_autocast():
+                self._process_uses(group, uses, counts)
+        finally:
+            for module in gathered:
+                module.reshard()
 
     def _process_uses(self, group, uses, counts):
         # A parameter of several uses (tied weights, a module called twice) needs the cross

@@ -77,6 +77,11 @@ class Rule:
     # would do costly work for the one kept attached (a convolution's bias gradient makes
     # oneDNN compute the weight gradient too).
     detach_all = False
+    # Whether norms / clipped sums read the module's parameter values (a replayed backward,
+    # not only the saved inputs and output gradients). Under FSDP2, which releases a
+    # block's gathered weights after its backward, the engine gathers them again for the
+    # clipping at the end of the backward.
+    reads_weights = False
 
     def parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
         """The parameters this rule accounts for, by name relative to ``module``."""

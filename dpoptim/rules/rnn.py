@@ -138,6 +138,8 @@ def _bound(args, kwargs, index, name):
 class RecurrentRule(FactoredRule):
     """``nn.RNN``, ``nn.LSTM``, ``nn.GRU``: replay and back-propagation through time."""
 
+    reads_weights = True
+
     def __init__(self):
         self._rng_before = weakref.WeakKeyDictionary()  # module -> generator state before its forward
 
@@ -315,6 +317,8 @@ _CELL_MODES = {nn.LSTMCell: "LSTM", nn.GRUCell: "GRU"}
 @register_rule(nn.GRUCell)
 class CellRule(FactoredRule):
     """``nn.RNNCell``, ``nn.LSTMCell``, ``nn.GRUCell``: one step, one use."""
+
+    reads_weights = True
 
     detach_parameters = True  # the forward reads self.weight_ih, ... at call time
 
