@@ -82,6 +82,35 @@ def train_virtual(rank):
     return [p.detach().clone() for p in model.parameters()], seen
 
 
+def count_all_reduces(rank):
+    """Virtual batches under no_sync (ranks with different numbers of backward calls):
+    the sizes of the all-reduces dpoptim runs in each logical step, backward included."""
+    model = model_()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = dpoptim.DPSGD(ddp.parameters(), lr=LR, noise_multiplier=1.0, max_grad_norm=CLIP,
+                        expected_batch_size=BATCH, sample_rate=Q)
+    calls, original = [], dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    per_step = []
+    dist.all_reduce = counting
+    try:
+        for x, y in global_batches():
+            start = len(calls)
+            opt.zero_grad()
+            with ddp.no_sync():
+                for cx, cy in split_batch((x[rank::WORLD], y[rank::WORLD]), 1 + rank):
+                    mse(ddp(cx), cy).mean().backward()
+            opt.step()
+            per_step.append(calls[start:])
+    finally:
+        dist.all_reduce = original
+    return per_step, sum(p.numel() for p in model.parameters())
+
+
 def poisson_shares():
     seeded = poisson_loader(TensorDataset(torch.arange(40)), sample_rate=Q, generator=torch.Generator().manual_seed(5))
     default = poisson_loader(TensorDataset(torch.arange(40)), sample_rate=Q)
@@ -116,6 +145,7 @@ def _worker(rank, port, out):
             "noisy": train_ddp(rank, sigma=1.0),
             "virtual": train_virtual(rank),
             "poisson": poisson_shares(),
+            "all_reduces": count_all_reduces(rank),
             "mismatch": mismatched_settings(rank),
             "mismatch_bf16": mismatched_settings(rank, torch.bfloat16),
             "agree_bf16": mismatched_settings(rank, torch.bfloat16, agree=True),
@@ -231,3 +261,12 @@ def test_ranks_that_disagree_about_settings_raise(ranks):
         for scenario in ("mismatch", "mismatch_bf16"):
             assert ranks[r][scenario] is not None and "expected_batch_size" in ranks[r][scenario]
         assert ranks[r]["agree_bf16"] is None
+
+
+def test_one_all_reduce_per_step_and_no_norm_exchange(ranks):
+    """dpoptim's communication per logical step is one all-reduce of the clipped sums (the
+    four settings ride along), whatever the number of backward calls; no per-example norm
+    ever leaves its rank."""
+    for r in range(WORLD):
+        per_step, numel = ranks[r]["all_reduces"]
+        assert per_step == [[numel + 4]] * len(global_batches())
