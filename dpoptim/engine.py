@@ -302,6 +302,7 @@ class GradEngine:
     def reset(self) -> None:
         """Start a new logical batch."""
         self._sums: dict[int, torch.Tensor] = {}
+        self._shards: dict[int, torch.Tensor] = {}  # FSDP2: this rank's shard of the sums over all ranks
         self._raw_sums: dict[int, torch.Tensor] = {}
         self._autograd_sums: dict[int, torch.Tensor] = {}
         self._errors: list[str] = []
@@ -329,7 +330,7 @@ class GradEngine:
             )
         if self._verify and self._raw_sums:
             self._check_against_autograd()
-        return self._sums
+        return {**self._sums, **self._shards}
 
     # ----------------------------------------------------------------- hooks
     def _owned(self, p):
@@ -633,6 +634,24 @@ class GradEngine:
         except Exception as exc:
             self._errors.append(f"clipping failed during backward(): {exc}")
             raise
+        if self._fsdp_owner:
+            self._reduce_sharded()
+
+    def _reduce_sharded(self) -> None:
+        """FSDP2: reduce-scatter this backward's full-shape clipped sums of the sharded
+        parameters, so that only shards are kept until ``step()``. A collective per
+        parameter, in the optimizer's order of parameters on every rank (a rank none of
+        whose examples reached a parameter sends zeros)."""
+        for pid, p in self._params.items():
+            if not (p.requires_grad and fsdp.is_sharded(p)):
+                continue
+            full = self._sums.pop(pid, None)
+            if full is None:
+                full = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+            shard = fsdp.reduce_to_shard(full, p)
+            del full
+            current = self._shards.get(pid)
+            self._shards[pid] = shard if current is None else current.add_(shard)
 
     def _refuse_second_engine(self, task: int) -> None:
         """One backward() that reaches the parameters of two DP optimizers runs two Gaussian

@@ -13,9 +13,10 @@ that holds the example: no per-layer norm exchange is needed. One logical step i
     \\hat g^{(r)} = \\frac{1}{B} \\Big( \\big[\\textstyle\\sum_{r'} \\sum_{i \\in r'} c_i g_i\\big]^{(r)}
                     + \\mathcal N(0, \\sigma^2 C^2 I)^{(r)} \\Big)
 
-where ``[.]^{(r)}`` is rank ``r``'s shard: each rank's full-shape clipped sum is
-reduce-scattered (one ``reduce_scatter`` per parameter, through DTensor's own
-``redistribute``), and each rank adds the noise of its own shard. The noise is one draw
+where ``[.]^{(r)}`` is rank ``r``'s shard: at the end of each backward, each rank's
+full-shape clipped sum is reduce-scattered (one ``reduce_scatter`` per parameter, through
+DTensor's own ``redistribute``) and only the shard is kept; in ``step()`` each rank adds
+the noise of its own shard. The noise is one draw
 over the full parameter vector: with a user's generator (same seed on every rank) every
 rank draws the whole vector and keeps its slice, which is exactly the noise of an
 unsharded run; with the default generators each rank draws its slice from its own
@@ -23,8 +24,8 @@ generator seeded by the operating system, so the slices are independent. Either 
 coordinate gets ``N(0, sigma^2 C^2)`` once.
 
 This module holds the layout arithmetic and the checks; the engine maps each unsharded
-parameter to its sharded one (:func:`sharded_slots`), and the optimizer calls
-:func:`reduce_to_shard`, :func:`local_slice` and :func:`as_grad` in ``step()``.
+parameter to its sharded one (:func:`sharded_slots`) and calls :func:`reduce_to_shard`,
+and the optimizer calls :func:`local_slice` and :func:`as_grad` in ``step()``.
 """
 
 from __future__ import annotations

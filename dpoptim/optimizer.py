@@ -371,15 +371,14 @@ class DPOptimizerMixin:
         return loss
 
     def _sharded_step(self, pairs, process_group, loss_scale, sigma, bound, batch) -> None:
-        """The step of FSDP2's sharded parameters (see :mod:`dpoptim.fsdp`): each rank's
-        full-shape clipped sum is reduce-scattered, and each rank noises its own shard."""
-        for p, s in pairs:  # the same order on every rank: the optimizer's own
+        """The step of FSDP2's sharded parameters (see :mod:`dpoptim.fsdp`): the engine
+        holds this rank's shard of the clipped sums over all ranks (reduce-scattered at the
+        end of each backward); each rank noises its own shard."""
+        for p, s in pairs:
             if id(p) not in self._checked_layouts:
                 fsdp.check_layout(p, process_group, self._engine._describe)
                 self._checked_layouts.add(id(p))
-            full = torch.zeros(p.shape, dtype=p.dtype, device=p.device) if s is None else s
-            local = fsdp.reduce_to_shard(full, p)
-            del full
+            local = torch.zeros_like(p.to_local()) if s is None else s
             if loss_scale != 1.0:
                 local.div_(loss_scale)
             generator = self._generator_for(local.device)

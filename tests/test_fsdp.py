@@ -163,7 +163,7 @@ def share(rank, world, how):
     return lambda t: t if rank == 0 else t[:0]
 
 
-def train(case, rank, world, optimizer="sgd", sigma=0.0, sharded=True, how="strided", chunk=None):
+def train(case, rank, world, optimizer="sgd", sigma=0.0, sharded=True, how="strided", chunk=None, cleared=False):
     make, shard, batches, forward, loss = CASES[case]
     model = make()
     if sharded:
@@ -176,6 +176,9 @@ def train(case, rank, world, optimizer="sgd", sigma=0.0, sharded=True, how="stri
     mine = share(rank, world, how)
     for inputs, target in batches():
         opt.zero_grad()
+        if cleared:  # a batch backpropagated, then cleared with the model: torch forgets it
+            loss(forward(model, *(3 * mine(t) for t in inputs)), mine(target)).mean().backward()
+            model.zero_grad()
         batch = (tuple(mine(t) for t in inputs), mine(target))
         chunks = [batch] if chunk is None else split_batch(batch, chunk, synchronize_ranks=True)
         for chunk_inputs, chunk_target in chunks:
@@ -287,6 +290,7 @@ def _worker(rank, port, out):
             "mlp": train("mlp", rank, WORLD),
             "mlp_lopsided": train("mlp", rank, WORLD, how="lopsided"),
             "mlp_chunks": train("mlp", rank, WORLD, how="lopsided", chunk=3),
+            "mlp_cleared": train("mlp", rank, WORLD, cleared=True),
             "zoo": train("zoo", rank, WORLD),
             "sensitivity": sensitivity(rank),
             "mlp_adam_noise": train("mlp", rank, WORLD, optimizer="adam", sigma=SIGMA),
@@ -336,6 +340,7 @@ def assert_same(got, expected, rtol=1e-6):
     ("mlp", "sgd", 0.0),
     ("mlp_lopsided", "sgd", 0.0),
     ("mlp_chunks", "sgd", 0.0),
+    ("mlp_cleared", "sgd", 0.0),
     ("mlp_adam_noise", "adam", SIGMA),
     ("zoo", "sgd", 0.0),
     ("llama_tied", "sgd", 0.0),
