@@ -243,6 +243,7 @@ class GradEngine:
         # FSDP2: (id(module), name) -> the sharded parameter that slot holds between forwards,
         # and id(unsharded parameter) -> (weakref to it, the sharded one it stands in for).
         self._slots: dict[tuple[int, str], torch.Tensor] = {}
+        self._sharded = False  # whether some parameter is a DTensor
         self._fsdp_owner: dict[int, tuple] = {}  # id(sharded) -> (weakref to its FSDP module, its slot)
         self._aliases: dict[int, tuple] = {}
         self._handles += paths.track()  # module paths for error messages; first, so they know the root
@@ -267,6 +268,7 @@ class GradEngine:
             if names is not None:
                 self._names[id(p)] = names[i]
             self._claim(p)
+            self._sharded = self._sharded or fsdp.is_sharded(p)
         self._decisions = weakref.WeakKeyDictionary()
         self._hook_params()
 
@@ -521,6 +523,8 @@ class GradEngine:
         params = [(n, p) for n, p in claimed if p.requires_grad]
         if not params:
             return
+        if self._sharded:
+            _refuse_sharded_compute(module, rule)
         outputs = rule.outputs(module, output)
         if not any(t.requires_grad for t in outputs):
             return
@@ -938,6 +942,20 @@ _USED_ELSEWHERE = (
 # Above this many numbers, a shared parameter's per-example gradients are not materialised
 # when its rules offer factored terms, even where that would be the cheaper route.
 _MATERIALIZE_LIMIT = 1 << 24
+
+
+def _refuse_sharded_compute(module, rule) -> None:
+    """A module that computed with a DTensor parameter itself (tensor parallelism) rather
+    than with FSDP2's gathered copy: each rank would see only part of every example's
+    gradient, and its norm would be a partial sum."""
+    for name, p in rule.parameters(module).items():
+        if fsdp.is_sharded(p):
+            raise RuntimeError(
+                f"{paths.describe(module)} computed with its parameter '{name}' as a DTensor "
+                f"(placements {tuple(p.placements)}): tensor parallelism (parallelize_module, "
+                "distribute_tensor) is not supported by dpoptim, only FSDP2's fully_shard, "
+                "whose modules compute with gathered weights."
+            )
 
 
 def _check_examples_against_model(uses, n: int) -> None:

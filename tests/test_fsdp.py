@@ -265,10 +265,15 @@ def refused(rank, what):
     if what == "mp_policy":
         policy = fsdp_api.MixedPrecisionPolicy(param_dtype=torch.float32)
         fsdp_api.fully_shard(model, mp_policy=policy)
-    else:  # a 2-D mesh: HSDP
+    elif what == "hsdp":  # a 2-D mesh
         from torch.distributed.device_mesh import init_device_mesh
 
         fsdp_api.fully_shard(model, mesh=init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("replicate", "shard")))
+    else:  # tensor parallelism: the layer computes with the DTensor itself
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        parallelize_module(model, init_device_mesh("cpu", (WORLD,)), {"0": ColwiseParallel()})
     opt = dpoptim.DPSGD(model.parameters(), lr=LR, noise_multiplier=0.0, max_grad_norm=CLIP,
                         expected_batch_size=BATCH, sample_rate=Q)
     x = torch.randn(4, 4, dtype=torch.float64)
@@ -298,6 +303,7 @@ def _worker(rank, port, out):
             "resume": resume(rank, out),
             "mp_policy": refused(rank, "mp_policy"),
             "hsdp": refused(rank, "hsdp"),
+            "tensor_parallel": refused(rank, "tensor_parallel"),
         }
         try:
             import peft  # noqa: F401
@@ -405,8 +411,32 @@ def test_sharded_checkpoint_resumes_bit_exact(ranks):
         assert ledger == ((SIGMA, Q, 4),)
 
 
-@pytest.mark.parametrize("what,named", [("mp_policy", "mp_policy"), ("hsdp", "mesh")])
+@pytest.mark.parametrize("what,named", [("mp_policy", "mp_policy"), ("hsdp", "mesh"),
+                                        ("tensor_parallel", "tensor parallelism")])
 def test_unsupported_fsdp_options_are_refused(ranks, what, named):
     for r in range(WORLD):
         message = ranks[r][what]
         assert message is not None and named in message
+
+
+def test_cpu_offload_is_refused_by_name():
+    """CPU offload cannot run on a CPU-only machine; the check it meets is the device."""
+    from dpoptim import fsdp
+
+    with pytest.raises(RuntimeError, match="offload_policy"):
+        fsdp.check_unsharded(torch.empty(3, device="meta"), torch.empty(3), "parameter 'weight' of `0`")
+    with pytest.raises(RuntimeError, match="mp_policy"):
+        fsdp.check_unsharded(torch.empty(3, dtype=torch.bfloat16), torch.empty(3), "parameter 'weight' of `0`")
+
+
+@pytest.mark.parametrize("length", [0, 1, 2, 3, 5, 8, 13])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_shard_offsets_follow_torch_chunk(length, world):
+    from dpoptim.fsdp import _chunk
+
+    rows = torch.arange(length)
+    pieces = list(torch.chunk(rows, world)) if length else []
+    for rank in range(world):
+        start, size = _chunk(length, world, rank)
+        expected = pieces[rank] if rank < len(pieces) else rows[:0]
+        assert torch.equal(rows[start:start + size], expected)
