@@ -156,6 +156,8 @@ def _restore_hook(engine_ref, module, args, output):
     if engine is not None:
         engine._restore(module)
         engine._leave_context(module)
+        if engine._ddp_syncing is not None and isinstance(module, nn.parallel.DistributedDataParallel):
+            engine._ddp_syncing = None
 
 
 def _output_grad_hook(engine_ref, record, index, grad):
@@ -244,6 +246,7 @@ class GradEngine:
         # and id(unsharded parameter) -> (weakref to it, the sharded one it stands in for).
         self._slots: dict[tuple[int, str], torch.Tensor] = {}
         self._sharded = False  # whether some parameter is a DTensor
+        self._ddp_syncing = None  # in a DistributedDataParallel forward: whether it all-reduces
         self._fsdp_owner: dict[int, tuple] = {}  # id(sharded) -> (weakref to its FSDP module, its slot)
         self._aliases: dict[int, tuple] = {}
         self._handles += paths.track()  # module paths for error messages; first, so they know the root
@@ -423,6 +426,8 @@ class GradEngine:
             )
         if fsdp.is_fsdp_module(module):
             self._remember_slots(module)
+        elif isinstance(module, nn.parallel.DistributedDataParallel):
+            self._ddp_syncing = bool(module.require_backward_grad_sync)  # False under no_sync()
         decision = self._decide(module)
         if decision is None:
             return
@@ -442,10 +447,13 @@ class GradEngine:
         (which is how a ``backward()`` is told from ``torch.autograd.grad``). A rule with
         ``detach_all`` gives up that one too when the module's input already leads back to
         an attached parameter of this optimizer: both needs are then met upstream. Off
-        until the first step has been checked against autograd, and off under
-        torch.distributed (DDP waits for every gradient)."""
+        until the first step has been checked against autograd, and off where
+        :meth:`_accelerate` says."""
         live = [(n, p) for n, p in decision[1] if p.requires_grad]
-        if not live or _distributed():
+        if not live:
+            return
+        if not self._accelerate():  # this call leaves them all attached: autograd reaches them
+            self._keep(p for _, p in live)
             return
         if decision[0].detach_all and self._reaches_attached(args):
             keep = None
@@ -468,6 +476,18 @@ class GradEngine:
                 if id(p) not in self._kept:
                     self._ghosts.add(id(p))
         self._detached[id(module)] = swapped
+
+    def _keep(self, params) -> None:
+        for p in params:
+            self._kept.add(id(p))
+            self._ghosts.discard(id(p))
+
+    def _accelerate(self) -> bool:
+        """Whether ghost differentiation and stand-ins may run now: not inside a forward of
+        DistributedDataParallel that will all-reduce (its reducer waits for every
+        parameter's gradient; under ``no_sync()`` it does not), and not for FSDP2's
+        sharded parameters (FSDP swaps the module's parameters itself)."""
+        return not self._sharded and not self._ddp_syncing
 
     def _reaches_attached(self, args, budget: int = 64) -> bool:
         """Whether the autograd graph of a tensor in ``args`` reaches, within ``budget``
@@ -534,7 +554,9 @@ class GradEngine:
         root = root if root is not None and root.module() is not module else None
         record = _Record(module, rule, params, rule.save(module, args, kwargs, output), len(outputs), root)
         replaced = None
-        if self.detach_parameters and not self._verify and not _distributed():
+        if self.detach_parameters and not self._verify and not self._accelerate():
+            self._keep(p for _, p in params)
+        elif self.detach_parameters and not self._verify:
             replaced = self._stand_in(record, args, kwargs, output, outputs)
             if replaced is not None:
                 outputs = rule.outputs(module, replaced)
@@ -557,7 +579,7 @@ class GradEngine:
         fused recurrent kernel, most of its cost), while the rule, which replays that
         backward anyway, returns the input gradients. Returns the new output, or None.
         Like ghost differentiation, off until the first step has been checked against
-        autograd, and off under torch.distributed."""
+        autograd, and off where :meth:`_accelerate` says."""
         rule, module = record.rule, record.module
         inputs = rule.inputs(module, args, kwargs)
         if inputs is None:
@@ -1036,10 +1058,6 @@ def _is_compiled_wrapper(module) -> bool:
 def _in_backward() -> bool:
     """Whether this thread is running a backward pass (the autograd engine's graph task)."""
     return torch._C._current_graph_task_id() != -1
-
-
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:

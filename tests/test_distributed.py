@@ -4,6 +4,7 @@ One pair of processes (torch.multiprocessing, gloo over a free local port) runs 
 scenario; the checks run here in the parent on what each rank saved.
 """
 
+import contextlib
 import datetime
 import math
 import os
@@ -48,15 +49,18 @@ def dataset():
 
 
 # ----------------------------------------------------------------- on each rank
-def train_ddp(rank, sigma=0.0, bucket_view=False):
+def train_ddp(rank, sigma=0.0, bucket_view=False, alternate=False):
+    """``alternate``: every other backward under no_sync(), where dpoptim's ghost
+    differentiation runs (DDP's reducer waits for no gradient there), the others not."""
     model = model_()
     ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
     generator = torch.Generator().manual_seed(7)  # the same seed everywhere; only rank 0 draws
     opt = dpoptim.DPSGD(ddp.parameters(), lr=LR, noise_multiplier=sigma, max_grad_norm=CLIP,
                         expected_batch_size=BATCH, sample_rate=Q, generator=generator)
-    for x, y in global_batches():
+    for step, (x, y) in enumerate(global_batches()):
         opt.zero_grad()
-        mse(ddp(x[rank::WORLD]), y[rank::WORLD]).mean().backward()
+        with ddp.no_sync() if alternate and step % 2 else contextlib.nullcontext():
+            mse(ddp(x[rank::WORLD]), y[rank::WORLD]).mean().backward()
         opt.step()
     return [p.detach().clone() for p in model.parameters()], opt.ledger
 
@@ -142,6 +146,7 @@ def _worker(rank, port, out):
         results = {
             "plain": train_ddp(rank),
             "bucket_view": train_ddp(rank, bucket_view=True),
+            "alternate": train_ddp(rank, alternate=True),
             "noisy": train_ddp(rank, sigma=1.0),
             "virtual": train_virtual(rank),
             "poisson": poisson_shares(),
@@ -203,7 +208,7 @@ def assert_all_close(a, b, tol=1e-12):
 
 
 # ----------------------------------------------------------------- the checks
-@pytest.mark.parametrize("scenario", ["plain", "bucket_view"])
+@pytest.mark.parametrize("scenario", ["plain", "bucket_view", "alternate"])
 def test_two_ranks_without_noise_equal_the_oracle(ranks, scenario):
     expected = oracle_training(global_batches())
     for r in range(WORLD):
