@@ -22,7 +22,6 @@ import contextlib
 import datetime
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -35,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpoptim
+
+from . import report
 
 WORLD = 2
 WIDTHS = (256, 512, 512, 10)
@@ -71,11 +72,11 @@ def _build(mode, batch):
     return wrapped, opt, quiet
 
 
-def _worker(rank, port, rounds, batch, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank, rounds, batch, out):
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    store = "file://" + os.path.join(out, "rendezvous")  # a file in the run's own directory: no port to pick
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=WORLD)
     try:
         g = torch.Generator().manual_seed(1)
         local = batch // WORLD
@@ -116,15 +117,9 @@ def _worker(rank, port, rounds, batch, out):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(rounds: int, batch: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_worker, args=(_free_port(), rounds, batch, out), nprocs=WORLD, join=True,
+        mp.start_processes(_worker, args=(rounds, batch, out), nprocs=WORLD, join=True,
                            start_method="spawn")
         with open(os.path.join(out, "result.json")) as f:
             return json.load(f)
@@ -165,15 +160,7 @@ def main(argv=None):
     if args.write:
         with open(JSON_PATH, "w") as f:
             json.dump(result, f, indent=1, sort_keys=True)
-        with open(MD_PATH) as f:
-            text = f.read()
-        section = render(result)
-        if START in text:
-            text = text[: text.index(START)] + section + text[text.index(END) + len(END):]
-        else:
-            text = text.rstrip("\n") + "\n\n" + section + "\n"
-        with open(MD_PATH, "w") as f:
-            f.write(text)
+        report.write_section(MD_PATH, render(result))
 
 
 if __name__ == "__main__":

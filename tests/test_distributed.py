@@ -5,21 +5,19 @@ scenario; the checks run here in the parent on what each rank saved.
 """
 
 import contextlib
-import datetime
 import math
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import TensorDataset
 
 import dpoptim
 from dpoptim.data import poisson_loader, split_batch
 from oracle import clipped_sum, per_example_gradients
+from ranks import error_of, run_scenarios
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -131,51 +129,29 @@ def mismatched_settings(rank, dtype=torch.float32, agree=False):
     model = nn.Linear(2, 1).to(dtype)
     opt = dpoptim.DPSGD(model.parameters(), lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0,
                         expected_batch_size=4.0 if rank == 0 or agree else 8.0, sample_rate=0.5)
-    try:
-        opt.step()
-    except ValueError as exc:
-        return str(exc)
-    return None
+    return error_of(opt.step, ValueError)
 
 
-def _worker(rank, port, out):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-    try:
-        results = {
-            "plain": train_ddp(rank),
-            "bucket_view": train_ddp(rank, bucket_view=True),
-            "alternate": train_ddp(rank, alternate=True),
-            "noisy": train_ddp(rank, sigma=1.0),
-            "virtual": train_virtual(rank),
-            "poisson": poisson_shares(),
-            "all_reduces": count_all_reduces(rank),
-            "mismatch": mismatched_settings(rank),
-            "mismatch_bf16": mismatched_settings(rank, torch.bfloat16),
-            "agree_bf16": mismatched_settings(rank, torch.bfloat16, agree=True),
-        }
-        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def scenarios(rank):
+    """Every scenario on this rank, in one gloo group."""
+    results = {
+        "plain": train_ddp(rank),
+        "bucket_view": train_ddp(rank, bucket_view=True),
+        "alternate": train_ddp(rank, alternate=True),
+        "noisy": train_ddp(rank, sigma=1.0),
+        "virtual": train_virtual(rank),
+        "poisson": poisson_shares(),
+        "all_reduces": count_all_reduces(rank),
+        "mismatch": mismatched_settings(rank),
+        "mismatch_bf16": mismatched_settings(rank, torch.bfloat16),
+        "agree_bf16": mismatched_settings(rank, torch.bfloat16, agree=True),
+    }
+    return results
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ranks")
-    # fork where there is one: the children inherit torch and the torch._dynamo that DDP
-    # imports (seconds per process otherwise); they run single-threaded.
-    import torch._dynamo  # noqa: F401
-
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True, start_method=method)
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    return run_scenarios(scenarios, tmp_path_factory.mktemp("ranks"), WORLD)
 
 
 # ----------------------------------------------------------------- references, in this process

@@ -4,12 +4,12 @@ is executed in 2 gloo processes with the environment torchrun would give them.""
 import os
 import pathlib
 import re
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -25,7 +25,8 @@ def script(marker: str) -> str:
     return blocks[0]
 
 
-def _worker(rank, source, port, out):
+def _worker(rank, port, source, out):
+    """What torchrun gives each process: its environment; the script makes the group."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
@@ -35,22 +36,12 @@ def _worker(rank, source, port, out):
     (pathlib.Path(out) / f"done{rank}").write_text("ok")
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("marker,reported", [
     ("DistributedDataParallel(", r"^(\d+) \(\(1\.0, 0\.032, \1\),\)$"),  # steps, the ledger
     ("fully_shard(", r"^(\d+) PrivacySpent\(epsilon=\d"),
 ])
 def test_torchrun_script_runs(marker, reported, tmp_path, capfd):
-    import torch._dynamo  # noqa: F401  (imported once here, inherited by forked children)
-
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    mp.start_processes(_worker, args=(script(marker), _free_port(), str(tmp_path)), nprocs=WORLD, join=True,
-                       start_method=method)
+    run_ranks(_worker, (script(marker), str(tmp_path)), WORLD)
     assert all((tmp_path / f"done{r}").exists() for r in range(WORLD))
     printed = capfd.readouterr().out
     assert re.search(reported, printed, flags=re.M), printed  # rank 0, once, after all the steps

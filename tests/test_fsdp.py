@@ -6,19 +6,18 @@ rank saved: every rank saves the full parameters (``DTensor.full_tensor``) after
 and the parent trains the unsharded model itself with the same data, settings and seed.
 """
 
-import datetime
 import math
 import os
-import socket
+import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import dpoptim
 from dpoptim.data import split_batch
+from ranks import error_of, run_scenarios
 
 fsdp_api = pytest.importorskip("torch.distributed.fsdp")
 pytestmark = pytest.mark.skipif(
@@ -228,7 +227,7 @@ def sensitivity(rank):
     return float((updates[0] - updates[1]).norm() / (CLIP / BATCH))
 
 
-def resume(rank, tmp):
+def resume(rank):
     """DPAdam with noise: 2 steps, a sharded checkpoint (each rank saves its own shards),
     then 2 more steps in a fresh model and optimizer loaded from it."""
     def build():
@@ -247,13 +246,14 @@ def resume(rank, tmp):
     batches = mlp_batches(4)
     model, opt = build()
     steps(model, opt, batches[:2])
-    path = os.path.join(tmp, f"checkpoint{rank}.pt")
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
-    steps(model, opt, batches[2:])
-    straight = full(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, f"checkpoint{rank}.pt")  # this rank's shards
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+        steps(model, opt, batches[2:])
+        straight = full(model)
 
-    model, opt = build()
-    saved = torch.load(path, weights_only=False)
+        model, opt = build()
+        saved = torch.load(path, weights_only=False)
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["optimizer"])
     steps(model, opt, batches[2:])
@@ -277,61 +277,45 @@ def refused(rank, what):
     opt = dpoptim.DPSGD(model.parameters(), lr=LR, noise_multiplier=0.0, max_grad_norm=CLIP,
                         expected_batch_size=BATCH, sample_rate=Q)
     x = torch.randn(4, 4, dtype=torch.float64)
-    try:
+
+    def step():
         opt.zero_grad()
         model(x).sum().backward()
         opt.step()
-    except RuntimeError as exc:
-        return str(exc)
-    return None
+
+    return error_of(step, RuntimeError)
 
 
-def _worker(rank, port, out):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+def scenarios(rank):
+    """Every scenario on this rank, in one gloo group."""
+    results = {
+        "mlp": train("mlp", rank, WORLD),
+        "mlp_lopsided": train("mlp", rank, WORLD, how="lopsided"),
+        "mlp_chunks": train("mlp", rank, WORLD, how="lopsided", chunk=3),
+        "mlp_cleared": train("mlp", rank, WORLD, cleared=True),
+        "zoo": train("zoo", rank, WORLD),
+        "sensitivity": sensitivity(rank),
+        "mlp_adam_noise": train("mlp", rank, WORLD, optimizer="adam", sigma=SIGMA),
+        "noise_law": noise_law(rank),
+        "resume": resume(rank),
+        "mp_policy": refused(rank, "mp_policy"),
+        "hsdp": refused(rank, "hsdp"),
+        "tensor_parallel": refused(rank, "tensor_parallel"),
+    }
     try:
-        results = {
-            "mlp": train("mlp", rank, WORLD),
-            "mlp_lopsided": train("mlp", rank, WORLD, how="lopsided"),
-            "mlp_chunks": train("mlp", rank, WORLD, how="lopsided", chunk=3),
-            "mlp_cleared": train("mlp", rank, WORLD, cleared=True),
-            "zoo": train("zoo", rank, WORLD),
-            "sensitivity": sensitivity(rank),
-            "mlp_adam_noise": train("mlp", rank, WORLD, optimizer="adam", sigma=SIGMA),
-            "noise_law": noise_law(rank),
-            "resume": resume(rank, out),
-            "mp_policy": refused(rank, "mp_policy"),
-            "hsdp": refused(rank, "hsdp"),
-            "tensor_parallel": refused(rank, "tensor_parallel"),
-        }
-        try:
-            import peft  # noqa: F401
-            import transformers  # noqa: F401
-        except ImportError:
-            pass
-        else:
-            results["llama_tied"] = train("llama_tied", rank, WORLD)
-            results["lora"] = train("lora", rank, WORLD, optimizer="adam")
-        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        import peft  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        results["llama_tied"] = train("llama_tied", rank, WORLD)
+        results["lora"] = train("lora", rank, WORLD, optimizer="adam")
+    return results
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp")
-    import torch._dynamo  # noqa: F401  (imported once here, inherited by forked children)
-
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True, start_method=method)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return run_scenarios(scenarios, tmp_path_factory.mktemp("fsdp"), WORLD)
 
 
 def assert_same(got, expected, rtol=1e-6):
