@@ -260,6 +260,36 @@ def resume(rank):
     return straight, full(model), opt.ledger
 
 
+def distributed_checkpoint_helpers(rank):
+    """torch.distributed.checkpoint's state_dict helpers drop the ledger: both ways refused."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def trained():
+        model = mlp()
+        shard_mlp(model)
+        opt = dpoptim.DPAdam(model.parameters(), lr=0.05, noise_multiplier=SIGMA, max_grad_norm=CLIP,
+                             expected_batch_size=BATCH, sample_rate=Q)
+        (x,), y = mlp_batches(1)[0]
+        opt.zero_grad()
+        mse(model(x[rank::WORLD]), y[rank::WORLD]).mean().backward()
+        opt.step()
+        return model, opt
+
+    model, opt = trained()
+    _, saved = get_state_dict(model, opt)
+    fresh = mlp()
+    shard_mlp(fresh)
+    fresh_opt = dpoptim.DPAdam(fresh.parameters(), lr=0.05, noise_multiplier=SIGMA, max_grad_norm=CLIP,
+                               expected_batch_size=BATCH, sample_rate=Q)
+    other, other_opt = trained()
+    return (
+        "dpoptim" in saved,
+        error_of(lambda: get_state_dict(fresh, fresh_opt), RuntimeError),  # its init step()
+        error_of(lambda: set_state_dict(other, other_opt, model_state_dict={}, optim_state_dict=saved), ValueError),
+        other_opt.ledger,
+    )
+
+
 def refused(rank, what):
     model = mlp()
     if what == "mp_policy":
@@ -301,6 +331,7 @@ def scenarios(rank):
         "mp_policy": refused(rank, "mp_policy"),
         "hsdp": refused(rank, "hsdp"),
         "tensor_parallel": refused(rank, "tensor_parallel"),
+        "dcp_helpers": distributed_checkpoint_helpers(rank),
     }
     try:
         import peft  # noqa: F401
@@ -424,3 +455,12 @@ def test_shard_offsets_follow_torch_chunk(length, world):
         start, size = _chunk(length, world, rank)
         expected = pieces[rank] if rank < len(pieces) else rows[:0]
         assert torch.equal(rows[start:start + size], expected)
+
+
+def test_distributed_checkpoint_helpers_that_drop_the_ledger_are_refused(ranks):
+    for r in range(WORLD):
+        kept, init_step, load, ledger = ranks[r]["dcp_helpers"]
+        assert not kept  # the helpers keep torch's part of the state only
+        assert init_step is not None and "holds a .grad that no backward()" in init_step
+        assert load is not None and "no 'dpoptim' entry" in load
+        assert ledger == ((SIGMA, Q, 1),)  # the refused load left the optimizer as it was
