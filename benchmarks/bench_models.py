@@ -39,6 +39,8 @@ from torch import nn
 
 import dpoptim
 
+from . import report
+
 BATCH = 8
 _DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
 JSON_PATH = os.path.join(_DOCS, "benchmarks_models.json")
@@ -322,15 +324,7 @@ def main(argv=None):
     if args.write or args.render_only:
         with open(JSON_PATH, "w") as f:
             json.dump(rows, f, indent=1, sort_keys=True)
-        section = render(rows)
-        with open(MD_PATH) as f:
-            text = f.read()
-        if START in text:
-            text = text[: text.index(START)] + section + text[text.index(END) + len(END):]
-        else:
-            text = text.rstrip() + "\n\n" + section + "\n"
-        with open(MD_PATH, "w") as f:
-            f.write(text)
+        report.write_section(MD_PATH, render(rows))
 
 
 if __name__ == "__main__":

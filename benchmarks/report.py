@@ -506,6 +506,20 @@ def write(results: dict, out: str, device: str = "cpu") -> list[str]:
     return [md_path, json_path] + ([] if doc["plot_note"] else [png_path])
 
 
+def write_section(md_path: str, section: str) -> None:
+    """Put ``section`` (which starts with ``<!-- NAME:start -->`` and ends with
+    ``<!-- NAME:end -->``) into ``md_path`` in place of the old one, or at its end."""
+    start, end = section.split("\n", 1)[0], section.rstrip().rsplit("\n", 1)[-1]
+    with open(md_path) as f:
+        text = f.read()
+    if start in text:
+        text = text[: text.index(start)] + section + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    with open(md_path, "w") as f:
+        f.write(text)
+
+
 def _kept_sections(md_path: str) -> str:
     """The sections other scripts write into ``benchmarks.md`` between ``<!-- NAME:start -->``
     and ``<!-- NAME:end -->`` (the real-model table of ``benchmarks.bench_models``): kept

@@ -244,7 +244,7 @@ def privacy_kwargs(loader) -> dict:
     }
 
 
-def split_batch(batch, max_physical_batch_size: int):
+def split_batch(batch, max_physical_batch_size: int, *, synchronize_ranks: bool = False):
     """Yield consecutive chunks of ``batch`` with at most ``max_physical_batch_size`` examples.
 
     ``batch`` is any nesting of tuples, lists, dicts and named tuples whose tensors share
@@ -255,6 +255,12 @@ def split_batch(batch, max_physical_batch_size: int):
     Run forward and ``backward()`` on each chunk and call ``step()`` once after the last:
     the chunks form one logical batch, clipped per example exactly as if it had been one
     backward, with memory bounded by one chunk.
+
+    ``synchronize_ranks=True`` (under ``torch.distributed``; a collective, every rank must
+    call it) makes every rank yield as many chunks as the rank with the most, the extra
+    ones empty. FSDP needs it: every forward and backward of a sharded model gathers
+    parameters from all ranks, so all ranks must run the same number of them, while the
+    shares of a Poisson batch differ in size.
     """
     size = int(max_physical_batch_size)
     if size != max_physical_batch_size or size < 1:
@@ -267,7 +273,11 @@ def split_batch(batch, max_physical_batch_size: int):
             f"{sorted(sizes) if sizes else 'none'}"
         )
     n = sizes.pop()
-    for start in range(0, n, size):
+    chunks = -(-n // size)
+    if synchronize_ranks:
+        chunks = distributed.max_over_ranks(chunks, distributed.resolve_group(None))
+    for i in range(chunks):
+        start = min(i * size, n)
         yield _cut(batch, start, min(start + size, n), n)
 
 

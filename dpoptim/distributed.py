@@ -22,7 +22,8 @@ import hashlib
 
 import torch
 
-__all__ = ["resolve_group", "rank_and_size", "same_generator_everywhere", "check_same_generator", "all_reduce_sum_"]
+__all__ = ["resolve_group", "rank_and_size", "same_generator_everywhere", "check_same_generator", "all_reduce_sum_",
+           "max_over_ranks"]
 
 
 def _dist():
@@ -81,6 +82,16 @@ def check_same_generator(generator: torch.Generator, group) -> None:
             "the sampling generator differs between ranks: every rank must draw the same global "
             "Poisson batch. Seed it identically on all ranks, or pass generator=None."
         )
+
+
+def max_over_ranks(value: int, group) -> int:
+    """The largest ``value`` over the ranks of ``group`` (a collective), or ``value`` alone."""
+    if group is None:
+        return value
+    cuda = _dist().get_backend(group) == "nccl"  # NCCL reduces CUDA tensors only
+    box = torch.tensor([value], dtype=torch.int64, device=torch.cuda.current_device() if cuda else "cpu")
+    _dist().all_reduce(box, op=_dist().ReduceOp.MAX, group=group)
+    return int(box.item())
 
 
 def all_reduce_sum_(tensors: list[torch.Tensor], group, settings: dict | None = None) -> None:

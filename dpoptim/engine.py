@@ -39,7 +39,7 @@ from . import _torch, cost, verify
 from .errors import PrivacyWarning, UnsupportedLayerError
 from .nested import map_tensors
 from .privatize import clip_factors
-from . import paths
+from . import fsdp, paths
 from .registry import Use, begin_call, end_call, resolve_rule
 from .scope import HookScope
 
@@ -163,6 +163,8 @@ def _restore_hook(engine_ref, module, args, output):
     if engine is not None:
         engine._restore(module)
         engine._leave_context(module)
+        if engine._ddp_syncing is not None and isinstance(module, nn.parallel.DistributedDataParallel):
+            engine._ddp_syncing = None
 
 
 def _output_grad_hook(engine_ref, record, index, grad):
@@ -177,8 +179,8 @@ def _mixing_hook(engine_ref, module, reason, grad):
         engine._group().mixing[id(module)] = reason
 
 
-def _accumulated_hook(engine_ref, param):
-    engine = engine_ref()
+def _accumulated_hook(engine_ref, param, tensor=None):
+    engine = engine_ref()  # param: the optimizer's; tensor: what autograd accumulated into
     if engine is not None:
         engine._group(arriving=id(param)).accumulated[id(param)] = param
 
@@ -235,6 +237,13 @@ class GradEngine:
         self._calls: dict[int, int] = {}  # module -> calls with a Rule.call_state now open
         self._ghosts: set[int] = set()  # parameters autograd no longer reaches through their module
         self._kept: set[int] = set()  # parameters some call left attached: autograd reaches them
+        # FSDP2: (id(module), name) -> the sharded parameter that slot holds between forwards,
+        # and id(unsharded parameter) -> (weakref to it, the sharded one it stands in for).
+        self._slots: dict[tuple[int, str], torch.Tensor] = {}
+        self._sharded = False  # whether some parameter is a DTensor
+        self._ddp_syncing = None  # in a DistributedDataParallel forward: whether it all-reduces
+        self._fsdp_owner: dict[int, tuple] = {}  # id(sharded) -> (weakref to its FSDP module, its slot)
+        self._aliases: dict[int, tuple] = {}
         # Process-wide forward hooks until a checked step, then only on the model's modules.
         self._scope = HookScope(functools.partial(_forward_pre_hook, self._ref),
                                 functools.partial(_forward_hook, self._ref),
@@ -251,6 +260,7 @@ class GradEngine:
             if names is not None:
                 self._names[id(p)] = names[i]
             self._claim(p)
+            self._sharded = self._sharded or fsdp.is_sharded(p)
             self._scope.widen()  # a new parameter may be used by a model not hooked yet
         self._decisions = weakref.WeakKeyDictionary()
         self._hook_params()
@@ -270,7 +280,9 @@ class GradEngine:
     def _hook_params(self) -> None:
         """Hook every trainable parameter (a frozen one is hooked once it is unfrozen)."""
         for pid, p in self._params.items():
-            if p.requires_grad and pid not in self._hooked:
+            # An FSDP2-sharded parameter is hooked through its unsharded stand-in (_alias):
+            # FSDP writes the sharded .grad itself, after the backward.
+            if p.requires_grad and pid not in self._hooked and not fsdp.is_sharded(p):
                 self._hooked.add(pid)
                 self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(_accumulated_hook, self._ref)))
                 if self._verify:
@@ -286,6 +298,7 @@ class GradEngine:
     def reset(self) -> None:
         """Start a new logical batch."""
         self._sums: dict[int, torch.Tensor] = {}
+        self._shards: dict[int, torch.Tensor] = {}  # FSDP2: this rank's shard of the sums over all ranks
         self._raw_sums: dict[int, torch.Tensor] = {}
         self._autograd_sums: dict[int, torch.Tensor] = {}
         self._errors: list[str] = []
@@ -315,21 +328,84 @@ class GradEngine:
             self._check_against_autograd()
         if not self._verify:
             self._scope.narrow()
-        return self._sums
+        return {**self._sums, **self._shards}
 
     # ----------------------------------------------------------------- hooks
+    def _owned(self, p):
+        """The optimizer's parameter ``p`` is or stands in for (FSDP2's unsharded copy of a
+        sharded one), or None."""
+        if p is None:
+            return None
+        if id(p) in self._params:
+            return p
+        alias = self._aliases.get(id(p))
+        return alias[1] if alias is not None and alias[0]() is p else None
+
+    def _remember_slots(self, module) -> None:
+        """Before an FSDP module's forward its slots hold the sharded parameters: note which
+        slot holds which, so the unsharded ones FSDP puts there are recognised."""
+        for sub, name, p in fsdp.sharded_slots(module, self._params):
+            self._slots[(id(sub), name)] = p
+            # the innermost FSDP module around a parameter manages it: it is seen last
+            self._fsdp_owner[id(p)] = (weakref.ref(module), sub, name)
+
+    def _gather_released(self, records) -> list:
+        """Under FSDP2: gather again the weights of the FSDP modules that FSDP has already
+        released (resharded) and whose records' rules read weight values in the clipping
+        (``Rule.reads_weights``). Returns the modules to release again afterwards. A
+        collective: every rank processes the same records in the same order."""
+        gathered = []
+        for record in records:
+            if not record.rule.reads_weights:
+                continue
+            for _, p in record.params:
+                owner = self._fsdp_owner.get(id(p))
+                module = None if owner is None else owner[0]()
+                if module is None or module in gathered or _torch.own_parameters(owner[1]).get(owner[2]) is not p:
+                    continue  # not sharded, already gathered, or its slot holds the gathered one
+                module.unshard()
+                gathered.append(module)
+        return gathered
+
+    def _alias(self, module, name, p):
+        """Recognise ``p`` in ``module``'s slot ``name`` as FSDP2's unsharded stand-in for
+        a sharded parameter of this optimizer; hook it as the sharded one is hooked."""
+        sharded = self._slots.get((id(module), name))
+        if sharded is None or p is None or id(p) in self._params or self._owned(p) is sharded:
+            return
+        fsdp.check_unsharded(p, sharded, f"parameter '{name}' of {paths.describe(module)}")
+        self._aliases[id(p)] = (weakref.ref(p), sharded)
+        if p.requires_grad:
+            self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(_accumulated_hook, self._ref, sharded)))
+            if self._verify:
+                self._verify_handles.append(p.register_hook(functools.partial(_param_grad_hook, self._ref, id(sharded))))
+
+    def _owned_in(self, module, name, p):
+        """:meth:`_owned` for ``p`` found at ``name`` (maybe a child's) of ``module``."""
+        if self._slots and id(p) not in self._params:
+            owner, _, leaf = name.rpartition(".")
+            self._alias(module.get_submodule(owner) if owner else module, leaf, p)
+        return self._owned(p)
+
     def _decide(self, module) -> _Decision:
-        key = tuple(map(id, _torch.own_parameters(module).values()))
+        params = _torch.own_parameters(module)
+        if self._slots:
+            for name, p in params.items():
+                self._alias(module, name, p)
+        key = tuple(id(p if self._owned(p) is None else self._owned(p)) for p in params.values())
         cached = self._decisions.get(module)
         if cached is not None and cached.key == key:
             return cached
         if cached is not None and cached.claimed:
             self._warn_replaced(module, cached.claimed)
-        for name, p in _torch.own_parameters(module).items():
-            if p is not None and id(p) in self._params:
-                self._owners.setdefault(id(p), (weakref.ref(module), name))
+        for name, p in params.items():
+            if self._owned(p) is not None:
+                self._owners.setdefault(id(self._owned(p)), (weakref.ref(module), name))
         rule = resolve_rule(module)
-        claimed = [] if rule is None else [(n, p) for n, p in rule.parameters(module).items() if id(p) in self._params]
+        claimed = []
+        if rule is not None:
+            claimed = [(n, self._owned_in(module, n, p)) for n, p in rule.parameters(module).items()]
+            claimed = [(n, p) for n, p in claimed if p is not None]
         decision = self._decisions[module] = _Decision(key, rule, claimed)
         return decision
 
@@ -340,6 +416,10 @@ class GradEngine:
                 "forward hides the layers from dpoptim's hooks. Compile the model in place instead: "
                 "model.compile(), then call model as usual."
             )
+        if fsdp.is_fsdp_module(module):
+            self._remember_slots(module)
+        elif isinstance(module, nn.parallel.DistributedDataParallel):
+            self._ddp_syncing = bool(module.require_backward_grad_sync)  # False under no_sync()
         decision = self._decide(module)
         if not decision.claimed:
             return
@@ -361,10 +441,13 @@ class GradEngine:
         (which is how a ``backward()`` is told from ``torch.autograd.grad``). A rule with
         ``detach_all`` gives up that one too when the module's input already leads back to
         an attached parameter of this optimizer: both needs are then met upstream. Off
-        until the first step has been checked against autograd, and off under
-        torch.distributed (DDP waits for every gradient)."""
+        until the first step has been checked against autograd, and off where
+        :meth:`_accelerate` says."""
         live = [(n, p) for n, p in decision.claimed if p.requires_grad]
-        if not live or _distributed():
+        if not live:
+            return
+        if not self._accelerate():  # this call leaves them all attached: autograd reaches them
+            self._keep(p for _, p in live)
             return
         if decision.rule.detach_all and self._reaches_attached(args):
             keep = None
@@ -387,6 +470,18 @@ class GradEngine:
                 if id(p) not in self._kept:
                     self._ghosts.add(id(p))
         self._detached[id(module)] = swapped
+
+    def _keep(self, params) -> None:
+        for p in params:
+            self._kept.add(id(p))
+            self._ghosts.discard(id(p))
+
+    def _accelerate(self) -> bool:
+        """Whether ghost differentiation and stand-ins may run now: not inside a forward of
+        DistributedDataParallel that will all-reduce (its reducer waits for every
+        parameter's gradient; under ``no_sync()`` it does not), and not for FSDP2's
+        sharded parameters (FSDP swaps the module's parameters itself)."""
+        return not self._sharded and not self._ddp_syncing
 
     def _reaches_attached(self, args, budget: int = 64) -> bool:
         """Whether the autograd graph of a tensor in ``args`` reaches, within ``budget``
@@ -429,7 +524,7 @@ class GradEngine:
     def _warn_replaced(self, module, claimed) -> None:
         for name, p in claimed:
             owner, _, leaf = name.rpartition(".")  # a rule may claim a child's parameter
-            if _torch.own_parameters(module.get_submodule(owner)).get(leaf) is not p:
+            if self._owned(_torch.own_parameters(module.get_submodule(owner)).get(leaf)) is not p:
                 warnings.warn(
                     f"parameter '{name}' of {type(module).__name__} was replaced after the optimizer was "
                     "built; the new one is not in the optimizer and will not be trained. Build the "
@@ -450,6 +545,8 @@ class GradEngine:
         params = [(n, p) for n, p in decision.claimed if p.requires_grad]
         if not params:
             return
+        if self._sharded:
+            _refuse_sharded_compute(module, rule)
         outputs = rule.outputs(module, output)
         if not any(t.requires_grad for t in outputs):
             return
@@ -461,7 +558,9 @@ class GradEngine:
         root = root if outermost is not None and outermost is not module else None
         record = _Record(module, rule, params, rule.save(module, args, kwargs, output), len(outputs), root)
         replaced = None
-        if not self._verify and not _distributed():
+        if not self._verify and not self._accelerate():
+            self._keep(p for _, p in params)
+        elif not self._verify:
             replaced = self._stand_in(record, args, kwargs, output, outputs)
             if replaced is not None:
                 outputs = rule.outputs(module, replaced)
@@ -484,7 +583,7 @@ class GradEngine:
         fused recurrent kernel, most of its cost), while the rule, which replays that
         backward anyway, returns the input gradients. Returns the new output, or None.
         Like ghost differentiation, off until the first step has been checked against
-        autograd, and off under torch.distributed."""
+        autograd, and off where :meth:`_accelerate` says."""
         rule, module = record.rule, record.module
         inputs = rule.inputs(module, args, kwargs)
         if inputs is None:
@@ -527,6 +626,7 @@ class GradEngine:
             if pid == arriving:
                 continue
             grad = self._params[pid].grad
+            grad = None if grad is None else fsdp.local(grad)
             if grad is None or ((grad is not ref() or _torch.version_counter(grad) != version) and not bool(grad.any())):
                 cleared.append(pid)
         if not cleared:
@@ -564,6 +664,24 @@ class GradEngine:
         except Exception as exc:
             self._errors.append(f"clipping failed during backward(): {exc}")
             raise
+        if self._fsdp_owner:
+            self._reduce_sharded()
+
+    def _reduce_sharded(self) -> None:
+        """FSDP2: reduce-scatter this backward's full-shape clipped sums of the sharded
+        parameters, so that only shards are kept until ``step()``. A collective per
+        parameter, in the optimizer's order of parameters on every rank (a rank none of
+        whose examples reached a parameter sends zeros)."""
+        for pid, p in self._params.items():
+            if not (p.requires_grad and fsdp.is_sharded(p)):
+                continue
+            full = self._sums.pop(pid, None)
+            if full is None:
+                full = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+            shard = fsdp.reduce_to_shard(full, p)
+            del full
+            current = self._shards.get(pid)
+            self._shards[pid] = shard if current is None else current.add_(shard)
 
     def _refuse_second_engine(self, task: int) -> None:
         """One backward() that reaches the parameters of two DP optimizers runs two Gaussian
@@ -612,8 +730,13 @@ class GradEngine:
                     stacklevel=2,
                 )
         uses = [(record, Use(record.module, record.saved, grads, record.cache)) for record, grads in group.uses.values()]
-        with _no_autocast():
-            self._process_uses(group, uses, counts)
+        gathered = self._gather_released([record for record, _ in uses]) if self._fsdp_owner else []
+        try:
+            with _no_autocast():
+                self._process_uses(group, uses, counts)
+        finally:
+            for module in gathered:
+                module.reshard()
 
     def _process_uses(self, group, uses, counts):
         # A parameter of several uses (tied weights, a module called twice) needs the cross
@@ -710,6 +833,7 @@ class GradEngine:
         all-zero gradient is no evidence either way (zeroing it changes nothing), so only
         non-zero ones are marked: one device sync for all of them."""
         grads = [(pid, p.grad) for pid, p in accumulated.items() if p.grad is not None and not p.grad.is_sparse]
+        grads = [(pid, fsdp.local(g)) for pid, g in grads]  # an FSDP2 gradient: this rank's shard
         if not grads:
             return
         nonzero = torch.stack([g.ne(0).any().to(grads[0][1].device) for _, g in grads]).tolist()
@@ -840,6 +964,20 @@ _USED_ELSEWHERE = (
 )
 
 
+def _refuse_sharded_compute(module, rule) -> None:
+    """A module that computed with a DTensor parameter itself (tensor parallelism) rather
+    than with FSDP2's gathered copy: each rank would see only part of every example's
+    gradient, and its norm would be a partial sum."""
+    for name, p in rule.parameters(module).items():
+        if fsdp.is_sharded(p):
+            raise RuntimeError(
+                f"{paths.describe(module)} computed with its parameter '{name}' as a DTensor "
+                f"(placements {tuple(p.placements)}): tensor parallelism (parallelize_module, "
+                "distribute_tensor) is not supported by dpoptim, only FSDP2's fully_shard, "
+                "whose modules compute with gathered weights."
+            )
+
+
 def _check_examples_against_model(uses, n: int) -> None:
     """Refuse a backward whose layers saw ``n`` examples while the model they ran in was
     called with another number: the examples were reshaped on the way (tokens flattened
@@ -909,8 +1047,6 @@ def _autocast_enabled() -> bool:
     return torch.is_autocast_enabled("cpu") or (torch.cuda.is_available() and torch.is_autocast_enabled("cuda"))
 
 
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:

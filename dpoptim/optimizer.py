@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _torch, distributed
+from . import _torch, distributed, fsdp
 from .data import batches_per_epoch
 from .engine import GradEngine
 from .errors import PrivacyBudgetExceeded, PrivacyWarning
@@ -250,6 +250,7 @@ class DPOptimizerMixin:
         self.max_epsilon = None if max_epsilon is None else float(max_epsilon)
         self._user_generator = generator
         self._written: dict[int, weakref.ref] = {}  # id(param) -> the .grad the last step() wrote
+        self._checked_layouts: set[int] = set()  # FSDP2 parameters whose sharding was checked
         self.secure_mode = bool(secure_mode)
         self._generators: dict[torch.device, torch.Generator] = {}
         from .accounting.ledger import Ledger  # scipy is imported with accounting: not at import dpoptim
@@ -356,8 +357,12 @@ class DPOptimizerMixin:
         rank, world = distributed.rank_and_size(process_group)
 
         by_device: dict[torch.device, list] = {}
+        sharded = []
         for p in self._updated_params(sums):
             s = sums.get(id(p))
+            if fsdp.is_sharded(p):
+                sharded.append((p, s))
+                continue
             if s is None:
                 s = torch.zeros_like(p, memory_format=torch.preserve_format)
             by_device.setdefault(p.device, []).append((p, s))
@@ -372,6 +377,8 @@ class DPOptimizerMixin:
                         "expected_batch_size": batch}
             distributed.all_reduce_sum_(grads, process_group, settings)
         _torch.foreach_div_(grads, batch)
+        if sharded:
+            self._sharded_step(sharded, process_group, loss_scale, sigma, bound, batch)
         for pairs in by_device.values():
             for p, g in pairs:
                 p.grad = g
@@ -383,6 +390,31 @@ class DPOptimizerMixin:
         self._watch_batch_size(examples, q, batch / world)
         self._watch_mean_batch_size(examples, batch / world)
         return loss
+
+    def _sharded_step(self, pairs, process_group, loss_scale, sigma, bound, batch) -> None:
+        """The step of FSDP2's sharded parameters (see :mod:`dpoptim.fsdp`): the engine
+        holds this rank's shard of the clipped sums over all ranks (reduce-scattered at the
+        end of each backward); each rank noises its own shard."""
+        for p, s in pairs:
+            if id(p) not in self._checked_layouts:
+                fsdp.check_layout(p, process_group, self._engine._describe)
+                self._checked_layouts.add(id(p))
+            local = torch.zeros_like(p.to_local()) if s is None else s
+            if loss_scale != 1.0:
+                local.div_(loss_scale)
+            generator = self._generator_for(local.device)
+            if self._user_generator is not None:
+                # Every rank draws the whole vector and keeps its slice: the noise of an
+                # unsharded run with this generator, one independent draw per coordinate.
+                noise = add_noise_([torch.zeros(p.shape, dtype=local.dtype, device=local.device)],
+                                   sigma, bound, generator, self.secure_mode)[0]
+                local.add_(fsdp.local_slice(noise, p))
+            else:  # each rank's own generator, seeded by the operating system
+                add_noise_([local], sigma, bound, generator, self.secure_mode)
+            local.div_(batch)
+            g = fsdp.as_grad(local, p)
+            p.grad = g
+            self._written[id(p)] = weakref.ref(g)
 
     def _updated_params(self, sums: dict) -> list:
         """The parameters this step gives a privatised gradient.

@@ -67,6 +67,12 @@ class RuleMath:
     """The math of a rule: per-example quantities of one use. Only :meth:`per_example` is
     required; :meth:`norms` and :meth:`clipped_sum` default to it, :meth:`terms` to None."""
 
+    # Whether norms / clipped sums read the module's parameter values (a replayed backward,
+    # not only the saved inputs and output gradients). Under FSDP2, which releases a
+    # block's gathered weights after its backward, the engine gathers them again for the
+    # clipping at the end of the backward.
+    reads_weights = False
+
     def per_example(self, use: Use, names: list[str]) -> dict[str, torch.Tensor]:
         """Per-example gradients ``g_i(p)``, shape ``[n, *p.shape]``."""
         raise NotImplementedError(f"{type(self).__name__} must implement per_example")

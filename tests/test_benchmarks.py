@@ -88,3 +88,21 @@ def test_report_marks_targets_and_failures(tmp_path):
     assert by_target[("faster than Opacus' best mode", "mlp")]["value"] == pytest.approx(30 / 11)
     md = (tmp_path / "benchmarks.md").read_text()
     assert "RuntimeError: boom" in md and "**missed**" in md
+
+
+def test_distributed_benchmark_runs(tmp_path):
+    """Two gloo processes, four modes, one round: a smoke run (no timing assertions)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs gloo")
+    out = tmp_path / "distributed.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_distributed", "--rounds", "1", "--batch", "8", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["ms"]) == {"ddp non-private", "ddp dpoptim", "fsdp non-private", "fsdp dpoptim"}
+    assert all(v > 0 for v in result["ratio"].values())
+    assert "<!-- distributed:start -->" in proc.stdout and "FSDP2" in proc.stdout

@@ -4,21 +4,20 @@ One pair of processes (torch.multiprocessing, gloo over a free local port) runs 
 scenario; the checks run here in the parent on what each rank saved.
 """
 
-import datetime
+import contextlib
 import math
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import TensorDataset
 
 import dpoptim
 from dpoptim.data import poisson_loader, split_batch
 from oracle import clipped_sum, per_example_gradients
+from ranks import error_of, run_scenarios
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -48,15 +47,18 @@ def dataset():
 
 
 # ----------------------------------------------------------------- on each rank
-def train_ddp(rank, sigma=0.0, bucket_view=False):
+def train_ddp(rank, sigma=0.0, bucket_view=False, alternate=False):
+    """``alternate``: every other backward under no_sync(), where dpoptim's ghost
+    differentiation runs (DDP's reducer waits for no gradient there), the others not."""
     model = model_()
     ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
     generator = torch.Generator().manual_seed(7)  # the same seed everywhere; only rank 0 draws
     opt = dpoptim.DPSGD(ddp.parameters(), lr=LR, noise_multiplier=sigma, max_grad_norm=CLIP,
                         expected_batch_size=BATCH, sample_rate=Q, generator=generator)
-    for x, y in global_batches():
+    for step, (x, y) in enumerate(global_batches()):
         opt.zero_grad()
-        mse(ddp(x[rank::WORLD]), y[rank::WORLD]).mean().backward()
+        with ddp.no_sync() if alternate and step % 2 else contextlib.nullcontext():
+            mse(ddp(x[rank::WORLD]), y[rank::WORLD]).mean().backward()
         opt.step()
     return [p.detach().clone() for p in model.parameters()], opt.ledger
 
@@ -82,6 +84,35 @@ def train_virtual(rank):
     return [p.detach().clone() for p in model.parameters()], seen
 
 
+def count_all_reduces(rank):
+    """Virtual batches under no_sync (ranks with different numbers of backward calls):
+    the sizes of the all-reduces dpoptim runs in each logical step, backward included."""
+    model = model_()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = dpoptim.DPSGD(ddp.parameters(), lr=LR, noise_multiplier=1.0, max_grad_norm=CLIP,
+                        expected_batch_size=BATCH, sample_rate=Q)
+    calls, original = [], dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    per_step = []
+    dist.all_reduce = counting
+    try:
+        for x, y in global_batches():
+            start = len(calls)
+            opt.zero_grad()
+            with ddp.no_sync():
+                for cx, cy in split_batch((x[rank::WORLD], y[rank::WORLD]), 1 + rank):
+                    mse(ddp(cx), cy).mean().backward()
+            opt.step()
+            per_step.append(calls[start:])
+    finally:
+        dist.all_reduce = original
+    return per_step, sum(p.numel() for p in model.parameters())
+
+
 def poisson_shares():
     seeded = poisson_loader(TensorDataset(torch.arange(40)), sample_rate=Q, generator=torch.Generator().manual_seed(5))
     default = poisson_loader(TensorDataset(torch.arange(40)), sample_rate=Q)
@@ -98,49 +129,29 @@ def mismatched_settings(rank, dtype=torch.float32, agree=False):
     model = nn.Linear(2, 1).to(dtype)
     opt = dpoptim.DPSGD(model.parameters(), lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0,
                         expected_batch_size=4.0 if rank == 0 or agree else 8.0, sample_rate=0.5)
-    try:
-        opt.step()
-    except ValueError as exc:
-        return str(exc)
-    return None
+    return error_of(opt.step, ValueError)
 
 
-def _worker(rank, port, out):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-    try:
-        results = {
-            "plain": train_ddp(rank),
-            "bucket_view": train_ddp(rank, bucket_view=True),
-            "noisy": train_ddp(rank, sigma=1.0),
-            "virtual": train_virtual(rank),
-            "poisson": poisson_shares(),
-            "mismatch": mismatched_settings(rank),
-            "mismatch_bf16": mismatched_settings(rank, torch.bfloat16),
-            "agree_bf16": mismatched_settings(rank, torch.bfloat16, agree=True),
-        }
-        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def scenarios(rank):
+    """Every scenario on this rank, in one gloo group."""
+    results = {
+        "plain": train_ddp(rank),
+        "bucket_view": train_ddp(rank, bucket_view=True),
+        "alternate": train_ddp(rank, alternate=True),
+        "noisy": train_ddp(rank, sigma=1.0),
+        "virtual": train_virtual(rank),
+        "poisson": poisson_shares(),
+        "all_reduces": count_all_reduces(rank),
+        "mismatch": mismatched_settings(rank),
+        "mismatch_bf16": mismatched_settings(rank, torch.bfloat16),
+        "agree_bf16": mismatched_settings(rank, torch.bfloat16, agree=True),
+    }
+    return results
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ranks")
-    # fork where there is one: the children inherit torch and the torch._dynamo that DDP
-    # imports (seconds per process otherwise); they run single-threaded.
-    import torch._dynamo  # noqa: F401
-
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True, start_method=method)
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    return run_scenarios(scenarios, tmp_path_factory.mktemp("ranks"), WORLD)
 
 
 # ----------------------------------------------------------------- references, in this process
@@ -173,7 +184,7 @@ def assert_all_close(a, b, tol=1e-12):
 
 
 # ----------------------------------------------------------------- the checks
-@pytest.mark.parametrize("scenario", ["plain", "bucket_view"])
+@pytest.mark.parametrize("scenario", ["plain", "bucket_view", "alternate"])
 def test_two_ranks_without_noise_equal_the_oracle(ranks, scenario):
     expected = oracle_training(global_batches())
     for r in range(WORLD):
@@ -231,3 +242,12 @@ def test_ranks_that_disagree_about_settings_raise(ranks):
         for scenario in ("mismatch", "mismatch_bf16"):
             assert ranks[r][scenario] is not None and "expected_batch_size" in ranks[r][scenario]
         assert ranks[r]["agree_bf16"] is None
+
+
+def test_one_all_reduce_per_step_and_no_norm_exchange(ranks):
+    """dpoptim's communication per logical step is one all-reduce of the clipped sums (the
+    four settings ride along), whatever the number of backward calls; no per-example norm
+    ever leaves its rank."""
+    for r in range(WORLD):
+        per_step, numel = ranks[r]["all_reduces"]
+        assert per_step == [[numel + 4]] * len(global_batches())

@@ -153,6 +153,7 @@ class MultiheadAttentionRule(FactoredRule):
     # pick, they would come back without a graph and a loss on them would lose its
     # gradient, so the rule picks it (Rule.attached).
     detach_parameters = True
+    reads_weights = True
 
     def attached(self, module, names):
         """The parameter to leave attached: the smallest one both outputs depend on."""

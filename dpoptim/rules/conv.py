@@ -97,6 +97,7 @@ def unfold_patches(x: torch.Tensor, kernel_size, stride, dilation) -> torch.Tens
 class ConvRule(Rule):
     detach_parameters = True  # the forward reads self.weight / self.bias at call time
     detach_all = True  # oneDNN computes the weight gradient whenever the bias gradient is asked for
+    reads_weights = True
 
     def save(self, module, args, kwargs, output):
         x = args[0] if args else kwargs["input"]

@@ -127,6 +127,8 @@ def _bound(args, kwargs, index, name):
 class RecurrentRule(FactoredRule):
     """``nn.RNN``, ``nn.LSTM``, ``nn.GRU``: replay and back-propagation through time."""
 
+    reads_weights = True
+
     @staticmethod
     def _drops(module) -> bool:
         return module.training and module.dropout > 0 and module.num_layers > 1
@@ -301,6 +303,8 @@ _CELL_MODES = {nn.LSTMCell: "LSTM", nn.GRUCell: "GRU"}
 @register_rule(nn.GRUCell)
 class CellRule(FactoredRule):
     """``nn.RNNCell``, ``nn.LSTMCell``, ``nn.GRUCell``: one step, one use."""
+
+    reads_weights = True
 
     detach_parameters = True  # the forward reads self.weight_ih, ... at call time
 
