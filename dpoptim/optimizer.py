@@ -255,7 +255,8 @@ class DPOptimizerMixin:
         self._generators: dict[torch.device, torch.Generator] = {}
         from .accounting.ledger import Ledger  # scipy is imported with accounting: not at import dpoptim
 
-        self._ledger = Ledger()  # the steps taken, as runs (sigma, q, count); immutable, replaced per step
+        self._composed = Ledger()  # the steps taken, as runs (sigma, q, count), but for the latest run:
+        self._latest = (None, None, 0)  # (sigma, q, steps) of the latest run, composed when read (_ledger)
         self._budget_cache: tuple | None = None
         self._process_group = process_group
         self._size_watch = _SizeWatch()
@@ -530,7 +531,26 @@ class DPOptimizerMixin:
 
     # ----------------------------------------------------------------- accounting
     def _record(self, sigma: float, q: float) -> None:
-        self._ledger = self._ledger.compose(sigma, q)
+        """One more step at ``(sigma, q)``. ``Ledger.compose`` validates its arguments and
+        copies the runs, more than a step's book-keeping should cost: steps of the same
+        setting are counted here and composed once, when the ledger is read."""
+        latest_sigma, latest_q, count = self._latest
+        if count and (latest_sigma, latest_q) != (sigma, q):
+            self._composed = self._ledger
+            count = 0
+        self._latest = (sigma, q, count + 1)
+
+    @property
+    def _ledger(self):
+        """The privacy ledger (a :class:`dpoptim.accounting.Ledger`) of every step taken."""
+        sigma, q, count = self._latest
+        if count:
+            self._composed, self._latest = self._composed.compose(sigma, q, count), (None, None, 0)
+        return self._composed
+
+    @_ledger.setter
+    def _ledger(self, ledger) -> None:
+        self._composed, self._latest = ledger, (None, None, 0)
 
     @property
     def ledger(self) -> tuple[tuple[float, float, int], ...]:

@@ -24,7 +24,7 @@ import torch
 
 from . import _torch
 
-__all__ = ["tolerance", "mismatch", "autograd_sum", "check_route"]
+__all__ = ["tolerance", "mismatch", "compare_sums", "autograd_sum", "check_route"]
 
 # (type of the rule, its route key) of every path already checked in this process.
 _VERIFIED: set = set()
@@ -46,6 +46,25 @@ def mismatch(raw: torch.Tensor, reference: torch.Tensor, tol: float, scale: floa
     if error > tol * (reference.norm() + raw.norm() + 1e-2 * scale) + 1e-30:
         return float(error / (reference.norm() + 1e-30))
     return None
+
+
+def compare_sums(raw_sums: dict, autograd_sums: dict, params: dict, autocast: bool) -> list:
+    """The first step's check: for every parameter (by ``id``) with both sums, the rules'
+    unclipped sum against autograd's gradient. Returns ``(parameter, relative error)`` for
+    each that differs. A parameter whose true gradient is exactly zero (a bias right before
+    InstanceNorm, which removes it again) holds only roundoff on both sides, so errors are
+    judged against the largest gradient of the model too."""
+    largest = max((float(r.norm()) for r in autograd_sums.values()), default=0.0)
+    problems = []
+    for pid, raw in raw_sums.items():
+        reference = autograd_sums.get(pid)
+        if reference is None:
+            continue
+        p = params[pid]
+        error = mismatch(raw, reference, tolerance(p.dtype, autocast), largest)
+        if error is not None:
+            problems.append((p, error))
+    return problems
 
 
 def autograd_sum(module, names: list[str], forward: Callable, grad_outputs: list) -> dict[str, torch.Tensor]:

@@ -264,9 +264,9 @@ def test_passes_parameter_used_element_wise():
 def test_flags_a_clipping_bug_in_dpoptim(monkeypatch):
     """The check compares with its own loop, not with dpoptim: an engine that forgot to clip
     is caught."""
-    import dpoptim.engine
+    import dpoptim.clipping
 
-    monkeypatch.setattr(dpoptim.engine, "clip_factors", lambda sq, bound: torch.ones_like(sq))
+    monkeypatch.setattr(dpoptim.clipping, "clip_factors", lambda sq, bound: torch.ones_like(sq))
     result = _check(_mlp(), _data(), max_grad_norm=0.01)
     assert_flagged(result, "(2)", "(3)")
     assert result.sensitivity > 10
