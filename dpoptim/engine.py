@@ -660,17 +660,39 @@ class GradEngine:
         except Exception as exc:
             self._errors.append(f"clipping failed during backward(): {exc}")
             raise
-        if self._fsdp_owner:
-            self._reduce_sharded()
 
-    def _reduce_sharded(self) -> None:
-        """FSDP2: reduce-scatter this backward's full-shape clipped sums of the sharded
-        parameters, so that only shards are kept until ``step()``. A collective per
-        parameter, in the optimizer's order of parameters on every rank (a rank none of
-        whose examples reached a parameter sends zeros)."""
+    def _blocks(self) -> list[list]:
+        """FSDP2: the trainable sharded parameters of each FSDP module, modules and
+        parameters in the optimizer's order (the same on every rank); parameters whose
+        module is not known come last, as a block of their own."""
+        blocks: dict = {}
         for pid, p in self._params.items():
-            if not (p.requires_grad and fsdp.is_sharded(p)):
-                continue
+            if p.requires_grad and fsdp.is_sharded(p):
+                owner = self._fsdp_owner.get(pid)
+                blocks.setdefault(None if owner is None else id(owner[0]()), []).append(p)
+        unowned = blocks.pop(None, None)
+        return list(blocks.values()) + ([unowned] if unowned else [])
+
+    def _blocks_of(self, record) -> set:
+        return {self._block_index[id(p)] for _, p in record.params if id(p) in self._block_index}
+
+    def _shard_stream(self, uses, counts):
+        """The uses in the order that lets FSDP blocks be reduced early, and the
+        :class:`~dpoptim.fsdp.ShardStream` that reduces them."""
+        blocks = self._blocks()
+        self._block_index = {id(p): j for j, block in enumerate(blocks) for p in block}
+        touched = [self._blocks_of(record) for record, _ in uses]
+        uses = [uses[i] for i in fsdp.ShardStream.order(touched)]
+        late = {self._block_index[pid] for pid, n in counts.items() if n > 1 and pid in self._block_index}
+        return uses, fsdp.ShardStream(blocks, [self._blocks_of(r) for r, _ in uses], late, self._reduce_sharded)
+
+    def _reduce_sharded(self, params) -> None:
+        """FSDP2: reduce-scatter this backward's full-shape clipped sums of ``params``
+        (sharded), so that only shards are kept until ``step()``. A collective per
+        parameter, in the same order on every rank (a rank none of whose examples reached
+        a parameter sends zeros)."""
+        for p in params:
+            pid = id(p)
             full = self._sums.pop(pid, None)
             if full is None:
                 full = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
@@ -729,14 +751,17 @@ class GradEngine:
                 )
         uses = [(record, Use(record.module, record.saved, grads, record.cache)) for record, grads in group.uses.values()]
         gathered = self._gather_released([record for record, _ in uses]) if self._fsdp_owner else []
+        stream = None
+        if self._fsdp_owner:
+            uses, stream = self._shard_stream(uses, counts)
         try:
             with _no_autocast():
-                self._process_uses(group, uses, counts)
+                self._process_uses(group, uses, counts, stream)
         finally:
             for module in gathered:
                 module.reshard()
 
-    def _process_uses(self, group, uses, counts):
+    def _process_uses(self, group, uses, counts, stream=None):
         # A parameter of several uses (tied weights, a module called twice) needs the cross
         # terms between its uses: from the rules' factored terms when all offer them and
         # that is cheaper, else from materialised per-example gradients.
@@ -798,6 +823,8 @@ class GradEngine:
             names = summed(record)
             if names:
                 self._accumulate(self._sums, record, record.rule.clipped_sum(use, names, weights.to(total.dtype)))
+            if stream is not None:
+                stream.done(self._blocks_of(record))
             if release:
                 uses[i] = None
                 group.uses.pop(id(record), None)
@@ -805,6 +832,8 @@ class GradEngine:
                 del record, use
         for pid, g in shared.items():
             _add_into(self._sums, self._params[pid], torch.tensordot(weights.to(g.dtype), g, dims=1))
+        if stream is not None:
+            stream.finish()
 
         if self._verify:
             ones = torch.ones_like(total)
