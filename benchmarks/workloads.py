@@ -44,6 +44,12 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, CLASSES))
 
 
+def tiny() -> nn.Module:
+    """The demo's model, 64-32-10: small enough that the step time is the fixed cost of a
+    step (Python around the hooks, the noise draw), not arithmetic."""
+    return nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, CLASSES))
+
+
 def cnn() -> nn.Module:
     """CIFAR-size: three conv blocks (conv, GroupNorm, ReLU, pooling), a Linear head."""
 
@@ -120,6 +126,7 @@ class Workload:
 WORKLOADS = {
     w.name: w
     for w in (
+        Workload("tiny", "Tiny MLP 64-32-10 (fixed cost of a step)", tiny, _images((64,)), 32, None, 32),
         Workload("mlp", "MLP 784-512-512-10", mlp, _images((784,)), 256, 1024, 64),
         Workload("cnn", "CNN 3 conv + GroupNorm, 3x32x32", cnn, _images((3, 32, 32)), 128, None, 16),
         Workload("lstm", "Embedding 5000x64 + LSTM 64->128, T=64", LSTMClassifier, _tokens, 64, None, 8),

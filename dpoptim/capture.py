@@ -338,8 +338,6 @@ class CaptureMixin:
         except Exception as exc:
             self._errors.append(f"clipping failed during backward(): {exc}")
             raise
-        if self._fsdp_owner:
-            self._reduce_sharded()
 
     def _refuse_second_engine(self, task: int) -> None:
         """One backward() that reaches the parameters of two DP optimizers runs two Gaussian

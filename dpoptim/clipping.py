@@ -192,14 +192,17 @@ class ClippingMixin:
                 )
         uses = [(record, Use(record.module, record.saved, grads, record.cache)) for record, grads in group.uses.values()]
         gathered = self._gather_released([record for record, _ in uses]) if self._fsdp_owner else []
+        stream = None
+        if self._fsdp_owner:
+            uses, stream = self._shard_stream(uses, counts)
         try:
             with _no_autocast():
-                self._process_uses(group, uses, counts)
+                self._process_uses(group, uses, counts, stream)
         finally:
             for module in gathered:
                 module.reshard()
 
-    def _process_uses(self, group, uses, counts):
+    def _process_uses(self, group, uses, counts, stream=None):
         # A parameter of several uses (tied weights, a module called twice) needs the cross
         # terms between its uses: from the rules' factored terms when all offer them and
         # that is cheaper, else from materialised per-example gradients.
@@ -219,7 +222,7 @@ class ClippingMixin:
         weights = clip_factors(total, bound) * scale
         if n and not bool(torch.isfinite(total).all()):
             uses, shared = _drop_non_finite(total, uses, shared)
-        self._add_clipped(group, uses, shared, weights.to(total.dtype), summed)
+        self._add_clipped(group, uses, shared, weights.to(total.dtype), summed, stream)
         if self._verify:
             self._keep_for_check(group, uses, shared, summed, torch.ones_like(total))
         self.examples += n
@@ -242,11 +245,12 @@ class ClippingMixin:
         _check_one_example_axis(squared, sizes)
         return functools.reduce(torch.add, (_wide(s) for s in squared)), shared
 
-    def _add_clipped(self, group, uses, shared, weights, summed) -> None:
+    def _add_clipped(self, group, uses, shared, weights, summed, stream=None) -> None:
         """Add each parameter's clipped sum ``sum_i w_i g_i`` to the running sums. Off the
         checked first step nothing needs a use after its clipped sum: its saved inputs,
         output gradients and rule cache go at once, so that the last clipped sums run with
-        the earlier layers' activations already freed."""
+        the earlier layers' activations already freed. Under FSDP2 ``stream`` reduces each
+        block's sums to shards as soon as they are complete."""
         release = not self._verify
         n = weights.shape[0]
         for i, (record, use) in enumerate(uses):
@@ -256,6 +260,8 @@ class ClippingMixin:
             names = summed(record)
             if names:
                 self._accumulate(self._sums, record, record.rule.clipped_sum(use, names, weights))
+            if stream is not None:
+                stream.done(self._blocks_of(record))
             if release:
                 uses[i] = None
                 group.uses.pop(id(record), None)
@@ -263,6 +269,8 @@ class ClippingMixin:
                 del record, use
         for pid, g in shared.items():
             _add_into(self._sums, self._params[pid], torch.tensordot(weights.to(g.dtype), g, dims=1))
+        if stream is not None:
+            stream.finish()
 
     def _keep_for_check(self, group, uses, shared, summed, ones) -> None:
         """On the checked first step: the rules' unclipped sums and autograd's gradients,

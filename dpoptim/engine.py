@@ -13,7 +13,8 @@ parts, one file each:
 * :mod:`dpoptim.verify` — the first step's comparison with autograd, and the first use of
   every run-time route.
 
-This file keeps the parameters (claiming, hooking, FSDP2's stand-ins), the state of a
+FSDP2's stand-ins and sharded sums are :mod:`dpoptim.sharding`'s. This file keeps the
+parameters (claiming, hooking), the state of a
 logical batch (:meth:`GradEngine.reset`) and what ``step()`` reads
 (:meth:`GradEngine.clipped_sums`). Examples in different ``backward()`` calls are
 different examples; uses inside one backward that share a parameter (tied weights, a
@@ -29,27 +30,26 @@ import weakref
 
 import torch
 
-from . import _torch, fsdp, paths, verify
+from . import fsdp, paths, verify
 from .accelerate import AccelerationMixin
 from .capture import (CaptureMixin, _accumulated_hook, _forward_hook, _forward_pre_hook, _Group, _param_grad_hook,
                       _restore_hook)
 from .clipping import _USED_ELSEWHERE, ClippingMixin
 from .errors import PrivacyWarning, UnsupportedLayerError
 from .scope import HookScope
+from .sharding import ShardingMixin
 
 __all__ = ["GradEngine"]
 
 # id(parameter) -> (weakref to the parameter, weakref to the engine that clips it)
 _CLAIMED: dict[int, tuple] = {}
 
-
 def _remove_all(handles):
     for handle in handles:
         handle.remove()
     handles.clear()
 
-
-class GradEngine(CaptureMixin, AccelerationMixin, ClippingMixin):
+class GradEngine(CaptureMixin, AccelerationMixin, ClippingMixin, ShardingMixin):
     """Per-example clipping for one set of parameters. Owned by a DP optimizer.
 
     ``max_grad_norm`` is a callable returning the clipping bound C in force; it is read at
@@ -171,79 +171,6 @@ class GradEngine(CaptureMixin, AccelerationMixin, ClippingMixin):
         return {**self._sums, **self._shards}
 
     # ----------------------------------------------------------------- hooks
-    def _owned(self, p):
-        """The optimizer's parameter ``p`` is or stands in for (FSDP2's unsharded copy of a
-        sharded one), or None."""
-        if p is None:
-            return None
-        if id(p) in self._params:
-            return p
-        alias = self._aliases.get(id(p))
-        return alias[1] if alias is not None and alias[0]() is p else None
-
-    def _remember_slots(self, module) -> None:
-        """Before an FSDP module's forward its slots hold the sharded parameters: note which
-        slot holds which, so the unsharded ones FSDP puts there are recognised."""
-        for sub, name, p in fsdp.sharded_slots(module, self._params):
-            self._slots[(id(sub), name)] = p
-            # the innermost FSDP module around a parameter manages it: it is seen last
-            self._fsdp_owner[id(p)] = (weakref.ref(module), sub, name)
-
-    def _gather_released(self, records) -> list:
-        """Under FSDP2: gather again the weights of the FSDP modules that FSDP has already
-        released (resharded) and whose records' rules read weight values in the clipping
-        (``Rule.reads_weights``). Returns the modules to release again afterwards. A
-        collective: every rank processes the same records in the same order."""
-        gathered = []
-        for record in records:
-            if not record.rule.reads_weights:
-                continue
-            for _, p in record.params:
-                owner = self._fsdp_owner.get(id(p))
-                module = None if owner is None else owner[0]()
-                if module is None or module in gathered or _torch.own_parameters(owner[1]).get(owner[2]) is not p:
-                    continue  # not sharded, already gathered, or its slot holds the gathered one
-                module.unshard()
-                gathered.append(module)
-        return gathered
-
-    def _alias(self, module, name, p):
-        """Recognise ``p`` in ``module``'s slot ``name`` as FSDP2's unsharded stand-in for
-        a sharded parameter of this optimizer; hook it as the sharded one is hooked."""
-        sharded = self._slots.get((id(module), name))
-        if sharded is None or p is None or id(p) in self._params or self._owned(p) is sharded:
-            return
-        fsdp.check_unsharded(p, sharded, f"parameter '{name}' of {paths.describe(module)}")
-        self._aliases[id(p)] = (weakref.ref(p), sharded)
-        if p.requires_grad:
-            self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(_accumulated_hook, self._ref, sharded)))
-            if self._verify:
-                self._verify_handles.append(p.register_hook(functools.partial(_param_grad_hook, self._ref, id(sharded))))
-
-    def _owned_in(self, module, name, p):
-        """:meth:`_owned` for ``p`` found at ``name`` (maybe a child's) of ``module``."""
-        if self._slots and id(p) not in self._params:
-            owner, _, leaf = name.rpartition(".")
-            self._alias(module.get_submodule(owner) if owner else module, leaf, p)
-        return self._owned(p)
-
-
-    def _reduce_sharded(self) -> None:
-        """FSDP2: reduce-scatter this backward's full-shape clipped sums of the sharded
-        parameters, so that only shards are kept until ``step()``. A collective per
-        parameter, in the optimizer's order of parameters on every rank (a rank none of
-        whose examples reached a parameter sends zeros)."""
-        for pid, p in self._params.items():
-            if not (p.requires_grad and fsdp.is_sharded(p)):
-                continue
-            full = self._sums.pop(pid, None)
-            if full is None:
-                full = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
-            shard = fsdp.reduce_to_shard(full, p)
-            del full
-            current = self._shards.get(pid)
-            self._shards[pid] = shard if current is None else current.add_(shard)
-
 
     # ----------------------------------------------------------------- checks
     def _describe(self, p) -> str:
@@ -284,5 +211,4 @@ class GradEngine(CaptureMixin, AccelerationMixin, ClippingMixin):
                 f"{error:.2e}). {_USED_ELSEWHERE}" for p, error in problems))
         self._verify = False
         _remove_all(self._verify_handles)
-
 

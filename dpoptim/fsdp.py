@@ -15,17 +15,19 @@ that holds the example: no per-layer norm exchange is needed. One logical step i
 
 where ``[.]^{(r)}`` is rank ``r``'s shard: at the end of each backward, each rank's
 full-shape clipped sum is reduce-scattered (one ``reduce_scatter`` per parameter, through
-DTensor's own ``redistribute``) and only the shard is kept; in ``step()`` each rank adds
-the noise of its own shard. The noise is one draw
+DTensor's own ``redistribute``), block by block as each FSDP block's sums are complete
+(:class:`ShardStream`), and only the shard is kept; in ``step()`` each rank adds the
+noise of its own shard. The noise is one draw
 over the full parameter vector: with a user's generator (same seed on every rank) every
 rank draws the whole vector and keeps its slice, which is exactly the noise of an
 unsharded run; with the default generators each rank draws its slice from its own
 generator seeded by the operating system, so the slices are independent. Either way each
 coordinate gets ``N(0, sigma^2 C^2)`` once.
 
-This module holds the layout arithmetic and the checks; the engine maps each unsharded
-parameter to its sharded one (:func:`sharded_slots`) and calls :func:`reduce_to_shard`,
-and the optimizer calls :func:`local_slice` and :func:`as_grad` in ``step()``.
+This module holds the layout arithmetic, the checks and the order of the reductions; the
+engine maps each unsharded parameter to its sharded one (:func:`sharded_slots`) and calls
+:func:`reduce_to_shard` through a :class:`ShardStream`, and the optimizer calls
+:func:`local_slice` and :func:`as_grad` in ``step()``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from torch import nn
 from . import _torch
 
 __all__ = ["is_sharded", "local", "is_fsdp_module", "sharded_slots", "check_unsharded", "check_layout",
-           "reduce_to_shard", "local_slice", "as_grad"]
+           "reduce_to_shard", "local_slice", "as_grad", "ShardStream"]
 
 
 def _tensor_api():
@@ -169,3 +171,54 @@ def as_grad(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     api = _tensor_api()
     return api.DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
                                   shape=p.shape, stride=p.stride())
+
+
+class ShardStream:
+    """Reduce-scatter the clipped sums of one backward block by block, as soon as a block's
+    are complete, so that a rank holds full-size sums for about one FSDP block at a time
+    rather than for the whole model.
+
+    ``blocks`` is the list, in the same order on every rank, of the parameter lists of the
+    FSDP modules (each the sharded parameters it manages, in the optimizer's order);
+    ``records`` is, per record of the backward, the set of block indices its parameters
+    belong to; ``late`` the block indices whose sums are completed only after every record
+    (parameters summed from materialised per-example gradients). Blocks are reduced
+    strictly in list order on every rank, each once all its records are done: ranks whose
+    examples reach different layers still run the same collectives in the same order.
+    ``reduce(params)`` does the collective for one block.
+    """
+
+    def __init__(self, blocks: list, records: list[set], late: set, reduce):
+        self._blocks, self._reduce = blocks, reduce
+        self._remaining = [0] * len(blocks)
+        for touched in records:
+            for j in touched:
+                self._remaining[j] += 1
+        for j in late:
+            self._remaining[j] += 1
+        self._late = late
+        self._next = 0
+
+    @staticmethod
+    def order(records: list[set]) -> list[int]:
+        """The order to clip the records in: by the last block each needs."""
+        return sorted(range(len(records)), key=lambda i: max(records[i], default=-1))
+
+    def done(self, touched: set) -> None:
+        """One record's clipped sums are in."""
+        for j in touched:
+            self._remaining[j] -= 1
+        self._flush()
+
+    def finish(self) -> None:
+        """The late sums are in: reduce every block not reduced yet."""
+        for j in self._late:
+            self._remaining[j] -= 1
+        self._flush()
+        if self._next != len(self._blocks):  # pragma: no cover - a bookkeeping error: fail loudly
+            raise RuntimeError("dpoptim reduced the FSDP blocks' sums out of order")
+
+    def _flush(self) -> None:
+        while self._next < len(self._blocks) and self._remaining[self._next] == 0:
+            self._reduce(self._blocks[self._next])
+            self._next += 1

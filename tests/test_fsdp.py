@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import dpoptim
+from dpoptim import fsdp as fsdp_module
 from dpoptim.data import split_batch
 from ranks import error_of, run_scenarios
 
@@ -260,6 +261,28 @@ def resume(rank):
     return straight, full(model), opt.ledger
 
 
+def held_at_full_size(rank):
+    """The most numbers of full-size clipped sums of sharded parameters a rank holds at
+    once during one backward, against all its sharded parameters' numbers."""
+    model = mlp()
+    shard_mlp(model)
+    opt = dpoptim.DPSGD(model.parameters(), lr=LR, noise_multiplier=0.0, max_grad_norm=CLIP,
+                        expected_batch_size=BATCH, sample_rate=Q)
+    engine, held = opt._engine, []
+    reduce = engine._reduce_sharded
+
+    def watching(params):
+        held.append(sum(t.numel() for pid, t in engine._sums.items() if fsdp_module.is_sharded(engine._params[pid])))
+        reduce(params)
+
+    engine._reduce_sharded = watching
+    for (x,), y in mlp_batches(2):
+        opt.zero_grad()
+        mse(model(x[rank::WORLD]), y[rank::WORLD]).mean().backward()
+        opt.step()
+    return max(held), sum(p.numel() for p in model.parameters())
+
+
 def distributed_checkpoint_helpers(rank):
     """torch.distributed.checkpoint's state_dict helpers drop the ledger: both ways refused."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -332,6 +355,7 @@ def scenarios(rank):
         "hsdp": refused(rank, "hsdp"),
         "tensor_parallel": refused(rank, "tensor_parallel"),
         "dcp_helpers": distributed_checkpoint_helpers(rank),
+        "held": held_at_full_size(rank),
     }
     try:
         import peft  # noqa: F401
@@ -464,3 +488,31 @@ def test_distributed_checkpoint_helpers_that_drop_the_ledger_are_refused(ranks):
         assert init_step is not None and "holds a .grad that no backward()" in init_step
         assert load is not None and "no 'dpoptim' entry" in load
         assert ledger == ((SIGMA, Q, 1),)  # the refused load left the optimizer as it was
+
+
+def test_full_size_sums_are_reduced_block_by_block(ranks):
+    """The MLP has three FSDP blocks (two layers, and the root with the last one): a rank
+    never holds the full-size sums of more than one layer's parameters at once."""
+    largest_layer = sum(p.numel() for p in mlp()[2].parameters())
+    for r in range(WORLD):
+        held, total = ranks[r]["held"]
+        assert 0 < held <= largest_layer < total
+
+
+def test_shard_stream_reduces_blocks_in_order_as_soon_as_complete():
+    from dpoptim.fsdp import ShardStream
+
+    reduced = []
+    records = [{2}, {0}, {0, 1}, set(), {1}]
+    order = ShardStream.order(records)
+    assert [max(records[i], default=-1) for i in order] == sorted(max(r, default=-1) for r in records)
+    stream = ShardStream(["a", "b", "c", "d"], [records[i] for i in order], late={1}, reduce=reduced.append)
+    log = []
+    for i in order:
+        stream.done(records[i])
+        log.append(list(reduced))
+    # after the record-free one nothing; after {0}: nothing ({0, 1} is pending);
+    # after {0, 1}: a; after {1}: nothing (b is late); after {2}: still b first
+    assert log == [[], [], ["a"], ["a"], ["a"]]
+    stream.finish()
+    assert reduced == ["a", "b", "c", "d"]  # d has no record: reduced in its turn, never skipped
