@@ -318,9 +318,10 @@ def markdown(doc: dict) -> str:
               "- Modes: non-private `torch.optim.SGD`; `dpoptim.DPSGD`; Opacus `PrivacyEngine` with "
               "`grad_sample_mode='hooks'` and `'ghost'` (`ModuleValidator.fix` swaps in DPLSTM and "
               "DPMultiheadAttention for Opacus only). Transformer dropout is 0 for every mode.",
-              "- dpoptim's engine installs process-wide module hooks; while another mode of the same process "
-              "steps they are paused, so no mode pays for another's hooks (the profile section measures that "
-              "cost, the hook tax).",
+              "- dpoptim's engine uses process-wide module hooks until its first step has been checked, then "
+              "hooks only its own model's modules; while another mode of the same process steps, any "
+              "process-wide ones are paused, so no mode pays for another's hooks (the profile section measures "
+              "what is left, the hook tax).",
               "- Each process pins torch to the stated number of threads (`torch.set_num_threads`, "
               "`OMP_NUM_THREADS`). On a shared machine, compare ratios, not milliseconds.",
               ""]

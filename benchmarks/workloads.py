@@ -173,10 +173,11 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    # dpoptim's engine watches module calls through process-wide forward hooks. When
-    # several modes share a process (the timing run), those hooks would also fire, and
-    # cost time, on the other modes' models; the harness pauses them while another mode
-    # steps, so every mode is timed as if it were alone.
+    # dpoptim's engine watches module calls through process-wide forward hooks until its
+    # first step has been checked (then through hooks on its own model's modules only).
+    # When several modes share a process (the timing run), process-wide hooks would also
+    # fire, and cost time, on the other modes' models; the harness pauses them while
+    # another mode steps, so every mode is timed as if it were alone.
     def pause_global_hooks(self) -> None:
         if self._paused:
             return
