@@ -1,0 +1,78 @@
+"""dpoptim.scope: process-wide hooks only until the first checked step, then hooks on the
+optimizer's own model, so that another model in the same process pays nothing."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import dpoptim
+
+
+def _global_hooks() -> int:
+    module = nn.modules.module
+    return len(module._global_forward_pre_hooks) + len(module._global_forward_hooks)
+
+
+def _opt(params, max_grad_norm=1.0):
+    return dpoptim.DPSGD(params, lr=0.1, noise_multiplier=0.0, max_grad_norm=max_grad_norm,
+                         expected_batch_size=4, sample_rate=0.5)
+
+
+def _step(model, opt, x):
+    opt.zero_grad()
+    model(x).square().sum().backward()
+    opt.step()
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dpoptim.PrivacyWarning)
+        yield
+
+
+def test_after_the_first_step_no_process_wide_hook_is_left():
+    before = _global_hooks()
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = _opt(model.parameters())
+    assert _global_hooks() > before
+    _step(model, opt, torch.randn(4, 3))
+    assert _global_hooks() == before
+    other = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1))
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in other.modules())
+    _step(model, opt, torch.randn(4, 3))  # its own model is still clipped
+
+
+def test_a_module_added_after_the_switch_is_hooked_and_clipped():
+    """A layer swapped in after the first step is found at the model's next call; its
+    per-example gradients are clipped like the others' (a tiny clip bound C: the privatised
+    gradient of 4 examples with B = 4 has norm at most C)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = _opt(model.parameters(), max_grad_norm=1e-3)
+    _step(model, opt, torch.randn(4, 3))
+    new = nn.Linear(4, 2)
+    model[2] = new
+    opt.add_param_group({"params": new.parameters()})
+    x = 10 * torch.randn(4, 3)
+    _step(model, opt, x)
+    total = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    assert new.weight.grad is not None and float(new.weight.grad.norm()) > 0
+    assert float(total) <= 1e-3 * 1.0001
+
+
+def test_a_parameter_outside_the_hooked_model_is_refused_not_missed():
+    model = nn.Sequential(nn.Linear(3, 2))
+    stray = nn.Linear(2, 1)
+    opt = _opt([*model.parameters(), *stray.parameters()])
+    x = torch.randn(4, 3)
+    opt.zero_grad()
+    model(x).square().sum().backward()  # the stray layer is not used on the first step
+    opt.step()
+    opt.zero_grad()
+    (stray.weight.sum() * model(x).sum()).backward()  # used outside any module call
+    with pytest.raises(dpoptim.UnsupportedLayerError):
+        opt.step()
