@@ -76,3 +76,17 @@ def test_a_parameter_outside_the_hooked_model_is_refused_not_missed():
     (stray.weight.sum() * model(x).sum()).backward()  # used outside any module call
     with pytest.raises(dpoptim.UnsupportedLayerError):
         opt.step()
+
+
+def test_a_new_module_holding_the_old_parameters_is_found_at_the_next_call():
+    """No new parameters, so no widening: the model's next call hooks the new layer."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = _opt(model.parameters(), max_grad_norm=1e-3)
+    _step(model, opt, torch.randn(4, 3))
+    old = model[2]
+    new = nn.Linear(4, 2)
+    new.weight, new.bias = old.weight, old.bias
+    model[2] = new
+    _step(model, opt, 10 * torch.randn(4, 3))
+    total = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    assert float(old.weight.grad.norm()) > 0 and float(total) <= 1e-3 * 1.0001
