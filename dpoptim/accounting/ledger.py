@@ -12,8 +12,8 @@ runs merge, so a run of 100,000 identical steps is one entry and every accountan
 it at once. Ledgers are plain values: :meth:`Ledger.compose` returns a new ledger and never
 changes the old one.
 
-The ``check_*`` helpers validate one argument each and raise :class:`ValueError` naming
-it, so an error always says which argument was wrong and what it was.
+Arguments are validated by :mod:`dpoptim.validate` (re-exported here as ``check_*``),
+the same functions the optimizers use: an error always names the argument.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import abc
 import functools
 import heapq
 import math
-import numbers
 from collections.abc import Iterable
 from typing import NamedTuple
+
+from .. import validate
 
 __all__ = [
     "Run",
@@ -40,67 +41,13 @@ __all__ = [
 ]
 
 
-def check_noise_multiplier(value, name: str = "noise_multiplier") -> float:
-    """Return ``value`` as a float after checking ``value >= 0`` (``inf`` allowed).
-
-    ``0`` means no noise (epsilon is infinite as soon as a step is taken); ``inf`` means a
-    step that reveals nothing.
-    """
-    value = _as_real(value, name)
-    if math.isnan(value) or value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
-    return value
-
-
-def check_sample_rate(value, name: str = "sample_rate") -> float:
-    """Return ``value`` as a float after checking ``0 < value <= 1``."""
-    value = _as_real(value, name)
-    if not 0.0 < value <= 1.0:
-        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
-    return value
-
-
-def check_delta(value, name: str = "delta") -> float:
-    """Return ``value`` as a float after checking ``0 < value < 1``."""
-    value = _as_real(value, name)
-    if not 0.0 < value < 1.0:
-        raise ValueError(f"{name} must be in (0, 1), got {value!r}")
-    return value
-
-
-def check_epsilon(value, name: str = "epsilon", *, positive: bool = False) -> float:
-    """Return ``value`` as a float after checking ``value >= 0`` (``> 0`` if ``positive``)."""
-    value = _as_real(value, name)
-    if math.isnan(value) or value < 0 or (positive and value == 0):
-        bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"{name} must be {bound}, got {value!r}")
-    return value
-
-
-def check_count(value, name: str = "count") -> int:
-    """Return ``value`` as an int after checking it is a non-negative integer.
-
-    Integral floats such as ``1e4`` are accepted; ``1.5``, ``nan``, ``True`` and negative
-    numbers are not.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    if isinstance(value, numbers.Integral):
-        result = int(value)
-    else:
-        as_float = float(value)
-        if not (math.isfinite(as_float) and as_float.is_integer()):
-            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-        result = int(as_float)
-    if result < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    return result
-
-
-def _as_real(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a real number, got {value!r}")
-    return float(value)
+# The validators live in dpoptim.validate, shared with the optimizers; these names stay
+# for the accounting modules and for code that imported them from here.
+check_noise_multiplier = validate.noise_multiplier
+check_sample_rate = validate.sample_rate
+check_delta = validate.delta
+check_epsilon = validate.epsilon
+check_count = validate.count
 
 
 class Run(NamedTuple):
