@@ -40,6 +40,8 @@ __all__ = [
 
 def real(value, name: str) -> float:
     """``value`` as a float; refuses booleans, strings and what ``float()`` cannot take."""
+    if type(value) is float or type(value) is int:  # the common case, without ABC checks
+        return float(value)
     if isinstance(value, (bool, str, bytes)) or not (isinstance(value, numbers.Real) or hasattr(value, "__float__")):
         raise ValueError(f"{name} must be a real number, got {value!r}")
     try:
@@ -90,6 +92,8 @@ def epsilon(value, name: str = "epsilon", *, positive: bool = False) -> float:
 def count(value, name: str = "count") -> int:
     """A non-negative integer; integral floats such as ``1e4`` are accepted, ``1.5``,
     ``nan``, ``inf``, ``True`` and negative numbers are not."""
+    if type(value) is int and value >= 0:  # the common case
+        return value
     message = f"{name} must be a non-negative integer, got {value!r}"
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         result = int(value)

@@ -27,7 +27,7 @@ from .ledger import (
     check_noise_multiplier,
     check_sample_rate,
 )
-from .pld import PLDAccountant, pld_epsilon
+from .pld import PLDAccountant, pld_epsilon, steering_epsilon
 from .rdp import DEFAULT_ORDERS, RDPAccountant, conversion_terms, ledger_rdp, rdp_subsampled_gaussian
 
 __all__ = [
@@ -267,6 +267,31 @@ def max_steps(
     low = _max_steps_rdp(sigma, q, delta, budget, base, limit)
     if low >= limit:
         return UNLIMITED_STEPS
+    # The search runs on a quick PLD that keeps the ledger's groups and grid fixed (its
+    # transforms are cached, so each candidate costs one power of one spectrum); the
+    # answer is then settled on the accountant itself: k fits and k + 1 does not.
+    search = eps
+    if name == "pld" and steering_epsilon(base.runs, sigma, q, 0, delta) is not None:
+        # One grid for all candidates up to a cap, raised fourfold when passed. The cap
+        # starts at four times a guess: the RDP count at the budget scaled by how much
+        # RDP over-reports the ledger so far.
+        ratio = epsilon_of_ledger(base.runs, delta, "rdp") / max(eps(0), 1e-300) if base.steps else 1.0
+        guess = _max_steps_rdp(sigma, q, delta, budget * min(max(ratio, 1.0), 4.0), base, limit)
+        cap = [4 * max(low, guess, 16)]
+
+        def search(k: int) -> float:
+            if k > cap[0]:
+                cap[0] = 4 * k
+            return steering_epsilon(base.runs, sigma, q, k, delta, grid_count=cap[0])
+
+    found = _search_steps(search, budget, low, limit)
+    if found >= limit:
+        return UNLIMITED_STEPS
+    return found if search is eps else _settle(eps, budget, found, limit)
+
+
+def _search_steps(eps, budget: float, low: int, limit: int) -> int:
+    """Largest k with eps(k) <= budget, from a start ``low`` that usually fits."""
     if low > 0 and eps(low) > budget:  # rounding, or a coarsened long ledger
         low = _last_feasible(eps, budget, 0, low)
     # Gallop up for a point over budget, then narrow the bracket (low in, high out).
@@ -276,7 +301,22 @@ def max_steps(
         low, step = high, 2 * step
         high = low + step
         if high >= limit:
-            return UNLIMITED_STEPS
+            return limit
+    return _last_feasible(eps, budget, low, high)
+
+
+def _settle(eps, budget: float, k: int, limit: int) -> int:
+    """From a guess ``k``, the nearest ``k'`` with ``eps(k') <= budget < eps(k' + 1)``
+    (0 if even ``eps(0)`` is over; the caller has checked it is not)."""
+    if eps(k) <= budget:
+        if eps(k + 1) > budget:
+            return k
+        return _search_steps(eps, budget, k + 1, limit)
+    step, high = 1, k
+    low = max(high - step, 0)
+    while low > 0 and eps(low) > budget:
+        high, step = low, 2 * step
+        low = max(high - step, 0)
     return _last_feasible(eps, budget, low, high)
 
 

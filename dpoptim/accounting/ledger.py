@@ -225,13 +225,19 @@ def _step_cost(sigma: float, q: float) -> float:
     return q * q * math.expm1(min(1.0 / (sigma * sigma), 200.0))
 
 
+def _rounded_count(count: int) -> float:
+    return 2.0 ** (round(4.0 * math.log2(count)) / 4.0)
+
+
 def _merge_groups(items: list, max_distinct: int) -> list[list]:
     """Greedy agglomeration of neighbours in ``items`` (``((sigma, q), count)``, ordered):
     a heap of neighbour merges by cost, stale entries skipped by version numbers."""
     n = len(items)
     members = [[item] for item in items]
-    counts = [item[1] for item in items]
-    weights = [count * _step_cost(*key) for key, count in items]  # sum of c_r w_r
+    # Costs use counts rounded to quarter octaves: a ledger that grows by a step (or
+    # max_steps' next candidate) then keeps its groups, and the transforms cached for them.
+    counts = [_rounded_count(item[1]) for item in items]
+    weights = [count * _step_cost(*key) for (key, _), count in zip(items, counts)]  # sum of c_r w_r
     sig_min = [key[0] for key, _ in items]
     q_max = [key[1] for key, _ in items]
     total = sum(weights)
