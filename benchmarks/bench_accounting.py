@@ -157,6 +157,28 @@ def _peer_values(ledger, delta) -> dict:
     return out
 
 
+def _growing_and_max_steps(repeat: int) -> None:
+    """What training asks: privacy_spent() after each step of a long schedule (the ledger
+    grows by one step, the transforms of its groups are re-used), and max_steps on a
+    ledger of many distinct pairs (once per change of (sigma, q) when a budget is set)."""
+    from dpoptim.accounting import max_steps
+
+    print()
+    print("| training-time question | answer | wall s | cpu s | target s |")
+    print("| --- | --- | --- | --- | --- |")
+    for label, ledger in (("10^4-run schedule", schedule_ledger()),
+                          ("100-run sigma schedule", [(1.0 + 0.01 * i, 0.01, 100) for i in range(100)])):
+        ledger = [(_fresh(s), q, c) for s, q, c in ledger]
+        epsilon_of_ledger(ledger, 1e-5)  # what the previous privacy_spent() computed
+        sigma, q, count = ledger[-1]
+        grown = [*ledger[:-1], (sigma, q, count + 1)]
+        value, wall, cpu = _time(lambda: epsilon_of_ledger(grown, 1e-5), 1)
+        print(f"| {label}: one more step, privacy_spent() | {_show(value)} | {wall:.2f} | {cpu:.2f} | 0.5 |")
+        budget = epsilon_of_ledger(ledger, 1e-5) * 1.02
+        value, wall, cpu = _time(lambda: max_steps(sigma * 1.01, q, 1e-5, budget, ledger=ledger), 1)
+        print(f"| {label}: max_steps within +2% of the budget | {value} | {wall:.2f} | {cpu:.2f} | |", flush=True)
+
+
 def _show(value) -> str:
     if isinstance(value, str):
         return value
@@ -193,6 +215,9 @@ def main(argv=None) -> int:
         if args.peers:
             for name, (peer, seconds) in _peers(ledger, delta).items():
                 print(f"| - {name} | {_show(peer)} | | {seconds:.2f} | | | |", flush=True)
+
+    if not args.only or args.only in "growing max_steps":
+        _growing_and_max_steps(args.repeat)
 
     print()
     print("| calibrate_noise (q 0.01, 1000 steps, delta 1e-5) | sigma | epsilon | wall s | cpu s | target s |")

@@ -40,6 +40,11 @@ steps. The transform works on exponentially *tilted* distributions
 convolution), which moves the composed mass to the losses that decide :math:`\delta`, so
 the transform's rounding noise is small relative to what is read there even for
 :math:`\delta = 10^{-10}` after a million steps.
+After many steps the composed transform lives on a few hundred low frequencies: each
+step's transform is kept (and cached between calls, keyed by the pair and the grid) only
+up to the frequency past which its power is below the smallest float64, which changes no
+computed value (:func:`_step_prefix`). Grid bottoms snap to a 512th of the window, so a
+ledger that grows by a step usually keeps its grid and re-uses every cached transform.
 
 **The window.** The grid is a window :math:`[a, b)` of ``n`` points of spacing ``h``
 (a power of two). Its edges come from Chernoff bounds,
