@@ -206,7 +206,13 @@ def _coarsen(runs: tuple, max_distinct: int, optimistic: bool) -> tuple:
     )
     if len(items) <= 1:
         return tuple(out + [(sigma, q, count) for (sigma, q), count in items])
-    groups = _merge_groups(items, max(1, max_distinct - len(out)))
+    # The partition depends on the pairs and the rounded counts only: a ledger grown by a
+    # step usually finds it cached.
+    sizes = _partition(tuple((key, _rounded_count(count)) for key, count in items), max(1, max_distinct - len(out)))
+    groups, start = [], 0
+    for size in sizes:
+        groups.append(items[start:start + size])
+        start += size
     for members in groups:
         sigmas = [sigma for (sigma, _), _ in members]
         rates = [q for (_, q), _ in members]
@@ -225,7 +231,13 @@ def _step_cost(sigma: float, q: float) -> float:
     return q * q * math.expm1(min(1.0 / (sigma * sigma), 200.0))
 
 
-def _rounded_count(count: int) -> float:
+@functools.lru_cache(maxsize=64)
+def _partition(items: tuple, max_distinct: int) -> tuple:
+    """Sizes of the consecutive groups :func:`_merge_groups` forms from ``items``."""
+    return tuple(len(members) for members in _merge_groups(list(items), max_distinct))
+
+
+def _rounded_count(count: float) -> float:
     return 2.0 ** (round(4.0 * math.log2(count)) / 4.0)
 
 
@@ -236,7 +248,7 @@ def _merge_groups(items: list, max_distinct: int) -> list[list]:
     members = [[item] for item in items]
     # Costs use counts rounded to quarter octaves: a ledger that grows by a step (or
     # max_steps' next candidate) then keeps its groups, and the transforms cached for them.
-    counts = [_rounded_count(item[1]) for item in items]
+    counts = [item[1] for item in items]  # rounded by the caller (see _partition)
     weights = [count * _step_cost(*key) for (key, _), count in zip(items, counts)]  # sum of c_r w_r
     sig_min = [key[0] for key, _ in items]
     q_max = [key[1] for key, _ in items]
