@@ -293,27 +293,41 @@ def max_steps(
     low = _max_steps_rdp(sigma, q, delta, budget, base, limit)
     if low >= limit:
         return UNLIMITED_STEPS
-    # The search runs on a quick PLD that keeps the ledger's groups and grid fixed (its
-    # transforms are cached, so each candidate costs one power of one spectrum); the
-    # answer is then settled on the accountant itself: k fits and k + 1 does not.
-    search = eps
-    if name == "pld" and steering_epsilon(base.runs, sigma, q, 0, delta) is not None:
-        # One grid for all candidates up to a cap, raised fourfold when passed. The cap
-        # starts at four times a guess: the RDP count at the budget scaled by how much
-        # RDP over-reports the ledger so far.
-        ratio = epsilon_of_ledger(base.runs, delta, "rdp") / max(eps(0), 1e-300) if base.steps else 1.0
-        guess = _max_steps_rdp(sigma, q, delta, budget * min(max(ratio, 1.0), 4.0), base, limit)
-        cap = [4 * max(low, guess, 16)]
+    # The search runs on a quick PLD that keeps the ledger's groups fixed, on a grid 8
+    # times coarser than the accountant's and held fixed over the candidates (so each
+    # candidate costs one power of one cached transform). Its bias is then measured at
+    # its answer against the accountant and divided out, the search repeated, and the
+    # answer settled on the accountant itself: k fits and k + 1 does not.
+    if name != "pld" or steering_epsilon(base.runs, sigma, q, 0, delta, grid_points=_STEERING_GRID) is None:
+        found = _search_steps(eps, budget, low, limit)
+        return UNLIMITED_STEPS if found >= limit else found
+    # One grid for all candidates up to a cap, raised fourfold when passed. The cap starts
+    # at four times a guess: the RDP count at the budget scaled by how much RDP
+    # over-reports the ledger so far.
+    ratio = epsilon_of_ledger(base.runs, delta, "rdp") / max(eps(0), 1e-300) if base.steps else 1.0
+    guess = _max_steps_rdp(sigma, q, delta, budget * min(max(ratio, 1.0), 4.0), base, limit)
+    cap = [4 * max(low, guess, 16)]
+    bias = [1.0]
 
-        def search(k: int) -> float:
-            if k > cap[0]:
-                cap[0] = 4 * k
-            return steering_epsilon(base.runs, sigma, q, k, delta, grid_count=cap[0])
+    def steer(k: int) -> float:
+        if k > cap[0]:
+            cap[0] = 4 * k
+        value = steering_epsilon(base.runs, sigma, q, k, delta, grid_count=cap[0], grid_points=_STEERING_GRID)
+        return value * bias[0]
 
-    found = _search_steps(search, budget, low, limit)
+    found = _search_steps(steer, budget, low, limit)
     if found >= limit:
         return UNLIMITED_STEPS
-    return found if search is eps else _settle(eps, budget, found, limit)
+    if found > 0:
+        bias[0] = eps(found) / steer(found)
+        found = _search_steps(steer, budget, found, limit)
+        if found >= limit:
+            return UNLIMITED_STEPS
+    return _settle(eps, budget, found, limit)
+
+
+#: Grid of the quick PLD that steers max_steps' search.
+_STEERING_GRID = 2**15
 
 
 def _search_steps(eps, budget: float, low: int, limit: int) -> int:
@@ -332,12 +346,15 @@ def _search_steps(eps, budget: float, low: int, limit: int) -> int:
 
 
 def _settle(eps, budget: float, k: int, limit: int) -> int:
-    """From a guess ``k``, the nearest ``k'`` with ``eps(k') <= budget < eps(k' + 1)``
-    (0 if even ``eps(0)`` is over; the caller has checked it is not)."""
+    """From a guess ``k``, the nearest ``k'`` with ``eps(k') <= budget < eps(k' + 1)``,
+    galloping from ``k`` in steps of 1, 2, 4, ... (the caller has checked ``eps(0)``)."""
     if eps(k) <= budget:
-        if eps(k + 1) > budget:
-            return k
-        return _search_steps(eps, budget, k + 1, limit)
+        step, low = 1, k
+        while eps(low + step) <= budget:
+            low, step = low + step, 2 * step
+            if low + step >= limit:
+                return limit
+        return _last_feasible(eps, budget, low, low + step)
     step, high = 1, k
     low = max(high - step, 0)
     while low > 0 and eps(low) > budget:

@@ -409,8 +409,8 @@ def _window(steps: tuple, tail: float, n: int) -> tuple[float, float, float]:
 
 
 def _snap(n: int) -> int:
-    """Grid bottoms are multiples of this many bins (a 512th of the window)."""
-    return max(1, n // 512)
+    """Grid bottoms are multiples of this many bins (a 64th of the window)."""
+    return max(1, n // 64)
 
 
 def _rdp_grid(steps: tuple, tail: float, delta: float, n: int) -> _Grid:
