@@ -229,6 +229,12 @@ def main(argv=None) -> int:
         spent = epsilon_of_ledger([(sigma, 0.01, 1000)], 1e-5)
         goal = "2" if 1e-4 <= target <= 1e4 else ""
         print(f"| target {target:g} | {_show(sigma)} | {_show(spent)} | {wall:.2f} | {cpu:.2f} | {goal} |", flush=True)
+    for target in (1e-4, 1.0, 1e2, 1e4):  # tiny q: the slowest PLD evaluations
+        if args.only and args.only not in "calibrate":
+            continue
+        sigma, wall, cpu = _time(lambda: calibrate_noise(_fresh(target), 1e-5, 1e-6, 1000), args.repeat)
+        spent = epsilon_of_ledger([(sigma, 1e-6, 1000)], 1e-5)
+        print(f"| target {target:g}, q 1e-6 | {_show(sigma)} | {_show(spent)} | {wall:.2f} | {cpu:.2f} | 2 |", flush=True)
     sigma, wall, cpu = _time(lambda: calibrate_noise(1.0, 1e-5, 1e-9, 1000), args.repeat)
     print(f"| target 1, q 1e-9 (noiseless meets it) | {_show(sigma)} | 0 | {wall:.2f} | {cpu:.2f} | 2 |")
     return 0
