@@ -99,6 +99,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 
 import numpy as np
 import scipy.fft
@@ -754,6 +755,7 @@ _DEAD = 800.0
 #: Bytes of truncated step spectra kept between calls (see :func:`_step_prefix`).
 _PREFIX_CACHE_BYTES = 256 * 2**20
 _prefix_cache: dict = {}  # insertion order = least recently used first
+_prefix_lock = threading.Lock()
 
 
 def _step_prefix(sigma, q, direction, spacing, i_low, i_high, n, tilt, dtype, optimistic, count):
@@ -771,7 +773,8 @@ def _step_prefix(sigma, q, direction, spacing, i_low, i_high, n, tilt, dtype, op
     smallest positive float64 (see :func:`_compose_direction` for the rounding bound).
     """
     key = (sigma, q, direction, spacing, i_low, i_high, n, tilt, np.dtype(dtype).str, optimistic)
-    entry = _prefix_cache.pop(key, None)
+    with _prefix_lock:
+        entry = _prefix_cache.pop(key, None)
     if entry is not None and not count * entry[1] <= -_DEAD:
         entry = None  # cut for a longer run: this count needs more of the spectrum
     if entry is None:
@@ -787,11 +790,12 @@ def _step_prefix(sigma, q, direction, spacing, i_low, i_high, n, tilt, dtype, op
         prefix = spectrum[: max(cut, 1)].copy()
         prefix.setflags(write=False)
         entry = (prefix, log_beyond, p_inf, log_mgf)
-    _prefix_cache[key] = entry
-    size = sum(item[0].nbytes for item in _prefix_cache.values())
-    while size > _PREFIX_CACHE_BYTES and len(_prefix_cache) > 1:
-        oldest = next(iter(_prefix_cache))
-        size -= _prefix_cache.pop(oldest)[0].nbytes
+    with _prefix_lock:
+        _prefix_cache[key] = entry
+        size = sum(item[0].nbytes for item in _prefix_cache.values())
+        while size > _PREFIX_CACHE_BYTES and len(_prefix_cache) > 1:
+            oldest = next(iter(_prefix_cache))
+            size -= _prefix_cache.pop(oldest)[0].nbytes
     return entry
 
 
