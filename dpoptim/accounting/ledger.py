@@ -60,6 +60,9 @@ class Run(NamedTuple):
     @classmethod
     def checked(cls, noise_multiplier, sample_rate, count=1) -> Run:
         """Build a run after validating every field (raises ValueError naming the field)."""
+        if (type(noise_multiplier) is float and type(sample_rate) is float and type(count) is int
+                and noise_multiplier >= 0.0 and 0.0 < sample_rate <= 1.0 and count >= 0):
+            return cls(noise_multiplier, sample_rate, count)  # the common case, already valid
         return cls(
             check_noise_multiplier(noise_multiplier),
             check_sample_rate(sample_rate),

@@ -780,13 +780,18 @@ def _step_prefix(sigma, q, direction, spacing, i_low, i_high, n, tilt, dtype, op
     if entry is None:
         spectrum, p_inf, log_mgf = _step_spectrum(sigma, q, direction, spacing, i_low, i_high, n, tilt, dtype,
                                                   optimistic)
-        with np.errstate(divide="ignore"):
-            log_modulus = np.log(np.abs(spectrum)).astype(np.float64)
-        # suffix maxima of log|F|: the prefix ends where all that follows is dead
-        suffix = np.maximum.accumulate(log_modulus[::-1])[::-1]
-        dead = np.flatnonzero(count * suffix <= -_DEAD) if count >= 2 else np.empty(0, dtype=int)
+        # suffix maxima of |F|^2: the prefix ends where all that follows is dead, that is
+        # where count * log|F| <= -_DEAD (squares, so that no logarithm of the whole
+        # spectrum is taken)
+        squares = (spectrum.real * spectrum.real + spectrum.imag * spectrum.imag).astype(np.float64)
+        suffix = np.maximum.accumulate(squares[::-1])[::-1]
+        threshold = math.exp(-2.0 * _DEAD / count) if count >= 2 else -1.0
+        dead = np.flatnonzero(suffix <= threshold)
         cut = int(dead[0]) if dead.size else spectrum.size
-        log_beyond = float(suffix[cut]) if cut < spectrum.size else -math.inf
+        with np.errstate(divide="ignore"):
+            log_beyond = 0.5 * math.log(float(suffix[cut])) if cut < spectrum.size and suffix[cut] > 0 else -math.inf
+        if cut < spectrum.size and not count * log_beyond <= -_DEAD:  # rounding at the threshold
+            cut, log_beyond = spectrum.size, -math.inf
         prefix = spectrum[: max(cut, 1)].copy()
         prefix.setflags(write=False)
         entry = (prefix, log_beyond, p_inf, log_mgf)
