@@ -199,8 +199,11 @@ def main(argv=None) -> int:
     for label, ledger, delta, target in _ledgers():
         if args.only not in label:
             continue
-        fresh = [(_fresh(s) if 0 < s < math.inf else s, q, c) for s, q, c in ledger]
-        value, wall, cpu = _time(lambda: epsilon_of_ledger(fresh, delta), args.repeat)
+        def fresh_ledger():  # a new one for every repetition: no cache has seen it
+            return [(_fresh(s) if 0 < s < math.inf else s, q, c) for s, q, c in ledger]
+
+        fresh = fresh_ledger()
+        value, wall, cpu = _time(lambda: epsilon_of_ledger(fresh_ledger(), delta), args.repeat)
         goal = f"{target:g}" if target else ""
         lower = gap = ""
         if args.bracket:
