@@ -671,6 +671,19 @@ def _log_gauss_bins(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def _support(sigma: float, q: float, direction: str, spacing: float, i_low: int, i_high: int) -> tuple[int, int]:
+    """The grid points ``lo..hi`` a step's distribution occupies in the window ``i_low..i_high``.
+
+    The distribution depends on the window only through them: two windows holding the
+    same support give the same distribution (and, placed at index mod n, the same
+    transform), which lets grids that differ only in their edges share cached transforms.
+    """
+    z_min, z_max = -_GAUSS_TAIL * sigma, 1.0 + _GAUSS_TAIL * sigma
+    lo = max(i_low, math.floor(float(_loss_of_z(z_min, sigma, q, direction)) / spacing))
+    hi = min(i_high, max(lo + 1, math.ceil(float(_loss_of_z(z_max, sigma, q, direction)) / spacing)))
+    return lo, hi
+
+
 @functools.lru_cache(maxsize=32)
 def _step_distribution(sigma: float, q: float, direction: str, spacing: float, i_low: int, i_high: int,
                        optimistic: bool = False):
@@ -687,9 +700,7 @@ def _step_distribution(sigma: float, q: float, direction: str, spacing: float, i
     the grid is dropped and mass above it rounded down to the top point.
     """
     # Keep to where the Gaussian components have mass; outside, bins are empty.
-    z_min, z_max = -_GAUSS_TAIL * sigma, 1.0 + _GAUSS_TAIL * sigma
-    lo = max(i_low, math.floor(float(_loss_of_z(z_min, sigma, q, direction)) / spacing))
-    hi = min(i_high, max(lo + 1, math.ceil(float(_loss_of_z(z_max, sigma, q, direction)) / spacing)))
+    lo, hi = _support(sigma, q, direction, spacing, i_low, i_high)
     losses = np.arange(lo, hi + 1) * spacing
     z = sigma * sigma * _log_r(losses, q, direction) + 0.5
     edges = np.concatenate([[-np.inf], z, [np.inf]])
@@ -772,7 +783,9 @@ def _step_prefix(sigma, q, direction, spacing, i_low, i_high, n, tilt, dtype, op
     Truncation changes no computed value: every product past the prefix is below the
     smallest positive float64 (see :func:`_compose_direction` for the rounding bound).
     """
-    key = (sigma, q, direction, spacing, i_low, i_high, n, tilt, np.dtype(dtype).str, optimistic)
+    # keyed by the support, not the window: see _support
+    key = (sigma, q, direction, spacing, *_support(sigma, q, direction, spacing, i_low, i_high), n, tilt,
+           np.dtype(dtype).str, optimistic)
     with _prefix_lock:
         entry = _prefix_cache.pop(key, None)
     if entry is not None and not count * entry[1] <= -_DEAD:
