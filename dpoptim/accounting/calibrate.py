@@ -330,7 +330,7 @@ def max_steps(
         return UNLIMITED_STEPS
     if found > 0:
         bias[0] = eps(found) / steer(found)
-        found = _search_steps(steer, budget, found, limit)
+        found = _search_steps(steer, budget, found, limit, first_step=max(1, found // 64))
         if found >= limit:
             return UNLIMITED_STEPS
     return _settle(eps, budget, found, limit)
@@ -340,12 +340,13 @@ def max_steps(
 _STEERING_GRID = 2**15
 
 
-def _search_steps(eps, budget: float, low: int, limit: int) -> int:
-    """Largest k with eps(k) <= budget, from a start ``low`` that usually fits."""
+def _search_steps(eps, budget: float, low: int, limit: int, first_step: int = 0) -> int:
+    """Largest k with eps(k) <= budget, from a start ``low`` that usually fits, galloping
+    up from ``low`` by ``first_step`` (default ``low / 8``), then twice that, ..."""
     if low > 0 and eps(low) > budget:  # rounding, or a coarsened long ledger
         low = _last_feasible(eps, budget, 0, low)
     # Gallop up for a point over budget, then narrow the bracket (low in, high out).
-    step = max(1, low // 8)
+    step = first_step or max(1, low // 8)
     high = low + step
     while eps(high) <= budget:
         low, step = high, 2 * step

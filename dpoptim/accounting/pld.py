@@ -255,17 +255,28 @@ def steering_epsilon(base, sigma: float, q: float, count: int, delta: float, gri
     reported value: callers confirm the answer with :func:`pld_epsilon`. ``None`` where
     the shortcut does not apply (noiseless or full-batch steps).
     """
-    runs = [run for run in Ledger(base).runs if not math.isinf(run[0])]
-    if not 0.0 < sigma < math.inf or q >= 1.0 or any(run[0] == 0.0 or run[1] >= 1.0 for run in runs):
+    groups = _steering_groups(Ledger(base).runs)
+    if groups is None or not 0.0 < sigma < math.inf or q >= 1.0:
         return None
-    groups = tuple(coarsen_runs(runs))
     steps = groups + ((sigma, q, max(count, 1)),)
-    sized = groups + ((sigma, q, max(count, grid_count, 1)),)
     try:
-        grid = _choose_grid(sized, delta, grid_points)
+        grid = _steering_grid(groups, sigma, q, max(count, grid_count, 1), delta, grid_points)
         return max(_direction_epsilon(steps, direction, grid, delta) for direction in (_REMOVE, _ADD))
     except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
         return None
+
+
+@functools.lru_cache(maxsize=8)
+def _steering_groups(runs: tuple) -> tuple | None:
+    runs = [run for run in runs if not math.isinf(run[0])]
+    if any(run[0] == 0.0 or run[1] >= 1.0 for run in runs):
+        return None
+    return tuple(coarsen_runs(runs))
+
+
+@functools.lru_cache(maxsize=8)
+def _steering_grid(groups: tuple, sigma: float, q: float, count: int, delta: float, grid_points: int) -> _Grid:
+    return _choose_grid(groups + ((sigma, q, count),), delta, grid_points)
 
 
 def _gaussian_epsilon_bound(delta: float, mu: float, lower: bool) -> float:
