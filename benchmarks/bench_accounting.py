@@ -157,6 +157,28 @@ def _peer_values(ledger, delta) -> dict:
     return out
 
 
+def _growing_and_max_steps(repeat: int) -> None:
+    """What training asks: privacy_spent() after each step of a long schedule (the ledger
+    grows by one step, the transforms of its groups are re-used), and max_steps on a
+    ledger of many distinct pairs (once per change of (sigma, q) when a budget is set)."""
+    from dpoptim.accounting import max_steps
+
+    print()
+    print("| training-time question | answer | wall s | cpu s | target s |")
+    print("| --- | --- | --- | --- | --- |")
+    for label, ledger in (("10^4-run schedule", schedule_ledger()),
+                          ("100-run sigma schedule", [(1.0 + 0.01 * i, 0.01, 100) for i in range(100)])):
+        ledger = [(_fresh(s), q, c) for s, q, c in ledger]
+        epsilon_of_ledger(ledger, 1e-5)  # what the previous privacy_spent() computed
+        sigma, q, count = ledger[-1]
+        grown = [*ledger[:-1], (sigma, q, count + 1)]
+        value, wall, cpu = _time(lambda: epsilon_of_ledger(grown, 1e-5), 1)
+        print(f"| {label}: one more step, privacy_spent() | {_show(value)} | {wall:.2f} | {cpu:.2f} | 0.5 |")
+        budget = epsilon_of_ledger(ledger, 1e-5) * 1.02
+        value, wall, cpu = _time(lambda: max_steps(sigma * 1.01, q, 1e-5, budget, ledger=ledger), 1)
+        print(f"| {label}: max_steps within +2% of the budget | {value} | {wall:.2f} | {cpu:.2f} | |", flush=True)
+
+
 def _show(value) -> str:
     if isinstance(value, str):
         return value
@@ -177,8 +199,11 @@ def main(argv=None) -> int:
     for label, ledger, delta, target in _ledgers():
         if args.only not in label:
             continue
-        fresh = [(_fresh(s) if 0 < s < math.inf else s, q, c) for s, q, c in ledger]
-        value, wall, cpu = _time(lambda: epsilon_of_ledger(fresh, delta), args.repeat)
+        def fresh_ledger():  # a new one for every repetition: no cache has seen it
+            return [(_fresh(s) if 0 < s < math.inf else s, q, c) for s, q, c in ledger]
+
+        fresh = fresh_ledger()
+        value, wall, cpu = _time(lambda: epsilon_of_ledger(fresh_ledger(), delta), args.repeat)
         goal = f"{target:g}" if target else ""
         lower = gap = ""
         if args.bracket:
@@ -194,6 +219,9 @@ def main(argv=None) -> int:
             for name, (peer, seconds) in _peers(ledger, delta).items():
                 print(f"| - {name} | {_show(peer)} | | {seconds:.2f} | | | |", flush=True)
 
+    if not args.only or args.only in "growing max_steps":
+        _growing_and_max_steps(args.repeat)
+
     print()
     print("| calibrate_noise (q 0.01, 1000 steps, delta 1e-5) | sigma | epsilon | wall s | cpu s | target s |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -204,6 +232,12 @@ def main(argv=None) -> int:
         spent = epsilon_of_ledger([(sigma, 0.01, 1000)], 1e-5)
         goal = "2" if 1e-4 <= target <= 1e4 else ""
         print(f"| target {target:g} | {_show(sigma)} | {_show(spent)} | {wall:.2f} | {cpu:.2f} | {goal} |", flush=True)
+    for target in (1e-4, 1.0, 1e2, 1e4):  # tiny q: the slowest PLD evaluations
+        if args.only and args.only not in "calibrate":
+            continue
+        sigma, wall, cpu = _time(lambda: calibrate_noise(_fresh(target), 1e-5, 1e-6, 1000), args.repeat)
+        spent = epsilon_of_ledger([(sigma, 1e-6, 1000)], 1e-5)
+        print(f"| target {target:g}, q 1e-6 | {_show(sigma)} | {_show(spent)} | {wall:.2f} | {cpu:.2f} | 2 |", flush=True)
     sigma, wall, cpu = _time(lambda: calibrate_noise(1.0, 1e-5, 1e-9, 1000), args.repeat)
     print(f"| target 1, q 1e-9 (noiseless meets it) | {_show(sigma)} | 0 | {wall:.2f} | {cpu:.2f} | 2 |")
     return 0

@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _torch, distributed, fsdp
+from . import _torch, distributed, fsdp, validate
 from .data import batches_per_epoch
 from .engine import GradEngine
 from .errors import PrivacyBudgetExceeded, PrivacyWarning
@@ -76,24 +76,16 @@ class _MeanWatch:
 
 
 def _check_noise_multiplier(value) -> float:
-    value = float(value)
-    if not value >= 0 or math.isinf(value):
-        raise ValueError(f"noise_multiplier must be a finite number >= 0, got {value}")
-    return value
+    # inf would mean "reveals nothing" to the accounting, but a step cannot draw it.
+    return validate.noise_multiplier(value, finite=True)
 
 
 def _check_max_grad_norm(value) -> float:
-    value = float(value)
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"max_grad_norm must be a finite number > 0, got {value}")
-    return value
+    return validate.max_grad_norm(value)
 
 
 def _check_sample_rate(value) -> float:
-    value = float(value)
-    if not 0 < value <= 1:
-        raise ValueError(f"sample_rate must be in (0, 1], got {value}")
-    return value
+    return validate.sample_rate(value)
 
 
 class DPOptimizerMixin:

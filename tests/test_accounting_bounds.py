@@ -228,3 +228,95 @@ def test_epsilon_is_monotone_across_the_whole_range(axis):
     falling = axis in ("sigma", "delta")
     for a, b in zip(values, values[1:]):
         assert (b <= a) if falling else (b >= a), (axis, values)
+
+
+def test_max_steps_is_exact_at_the_boundary_on_a_ledger_of_many_pairs():
+    # 70 distinct pairs: grouped, and searched on a fixed grouping and grid, then settled
+    # on the accountant itself.
+    spent = [(1.0 + 0.02 * i, 0.01 * 1.01**i, 20) for i in range(70)]
+    budget = epsilon_of_ledger(spent, DELTA) * 1.05
+    k = max_steps(1.5, 0.02, DELTA, budget, ledger=spent)
+    assert k > 0
+    assert epsilon_of_ledger([*spent, (1.5, 0.02, k)], DELTA) <= budget
+    assert epsilon_of_ledger([*spent, (1.5, 0.02, k + 1)], DELTA) > budget
+
+
+def test_the_optimizer_stops_exactly_at_the_budget_through_a_schedule():
+    # The same accountant as privacy_spent(): the last step taken fits, the refused one
+    # would not, also after the noise multiplier changed mid-way.
+    import torch
+    from torch import nn
+
+    import dpoptim
+
+    model = nn.Linear(3, 1)
+    # halfway between 22 and 23 steps (10 at sigma 1.2, the rest at 0.9)
+    budget = 0.5 * sum(epsilon_of_ledger([(1.2, 0.2, 10), (0.9, 0.2, k)], DELTA) for k in (12, 13))
+    opt = dpoptim.DPSGD(model.parameters(), lr=0.0, noise_multiplier=1.2, max_grad_norm=1.0,
+                        expected_batch_size=4, sample_rate=0.2, max_epsilon=budget, delta=DELTA)
+    x = torch.zeros(4, 3)
+    taken = 0
+    with pytest.raises(dpoptim.PrivacyBudgetExceeded):
+        for taken in range(10_000):
+            if taken == 10:
+                opt.noise_multiplier = 0.9
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    ledger = opt.ledger
+    assert ledger == ((1.2, 0.2, 10), (0.9, 0.2, 12)) and taken == 22
+    assert opt.privacy_spent().epsilon <= budget
+    assert epsilon_of_ledger([*ledger, (0.9, 0.2, 1)], DELTA) > budget
+
+
+# --- fine monotonicity at sampled points ---------------------------------------------
+
+
+def _sample_points(count, seed):
+    rng = random.Random(seed)
+    for _ in range(count):
+        yield {
+            "sigma": math.exp(rng.uniform(math.log(1e-3), math.log(30.0))),
+            "q": math.exp(rng.uniform(math.log(1e-6), 0.0)),
+            "steps": int(math.exp(rng.uniform(0.0, math.log(1e8)))),
+            "delta": math.exp(rng.uniform(math.log(1e-12), math.log(0.1))),
+        }
+
+
+@pytest.mark.parametrize("point", list(_sample_points(6, seed=17)), ids=lambda p: f"s{p['sigma']:.3g}")
+def test_epsilon_is_monotone_on_fine_steps_at_sampled_points(point):
+    # Neighbours 3% apart on each axis (one step for the step count when it is small):
+    # epsilon falls with sigma and delta and grows with q and steps.
+    for axis, falling in (("sigma", True), ("delta", True), ("q", False), ("steps", False)):
+        values = []
+        for factor in (1.0, 1.03, 1.06):
+            p = dict(point)
+            if axis == "steps":
+                p["steps"] = max(int(point["steps"] * factor), point["steps"] + round((factor - 1) / 0.03))
+            else:
+                p[axis] = min(point[axis] * factor, 1.0 if axis == "q" else 0.999)
+            values.append(epsilon(p["sigma"], p["q"], p["steps"], p["delta"]))
+        for a, b in zip(values, values[1:]):
+            assert (b <= a) if falling else (b >= a), (axis, point, values)
+
+
+def test_truncated_and_cached_transforms_change_no_value(monkeypatch):
+    # Transforms are kept only up to where their power underflows, and re-used between
+    # calls: the epsilon is the same as with every frequency kept and nothing cached.
+    from dpoptim.accounting import pld as pld_module
+
+    ledgers = [[(1.1, 0.004, 10_000)], [(1.0 + 0.05 * i, 0.01, 200) for i in range(12)]]
+    for runs in ledgers:
+        pld_module._pld_epsilon.cache_clear()
+        pld_module._prefix_cache.clear()
+        truncated = pld_epsilon(runs, DELTA)
+        pld_module._pld_epsilon.cache_clear()
+        cached = pld_epsilon(runs, DELTA)
+        monkeypatch.setattr(pld_module, "_DEAD", math.inf)
+        pld_module._pld_epsilon.cache_clear()
+        pld_module._prefix_cache.clear()
+        full = pld_epsilon(runs, DELTA)
+        monkeypatch.setattr(pld_module, "_DEAD", 800.0)
+        assert truncated == cached
+        assert truncated == pytest.approx(full, rel=1e-12)
+        assert truncated >= pld_epsilon_lower_bound(runs, DELTA, grid_points=2**18)

@@ -146,3 +146,10 @@ def test_python_dash_m_entry_point():
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["epsilon"]["rdp"] == pytest.approx(epsilon(1.1, 0.004, 10_000, 1e-5, "rdp"))
+
+
+def test_infinite_noise_is_accepted_and_costs_nothing_as_in_the_library(capsys):
+    argv = ["epsilon", "--noise-multiplier", "inf", "--sample-rate", "0.01", "--steps", "1e3", "--delta", "1e-5"]
+    doc = run_json(argv, capsys)
+    assert doc["epsilon"] == {"pld": 0.0, "rdp": 0.0} == {
+        name: epsilon(float("inf"), 0.01, 1000, 1e-5, accountant=name) for name in ("pld", "rdp")}

@@ -27,7 +27,7 @@ from .ledger import (
     check_noise_multiplier,
     check_sample_rate,
 )
-from .pld import PLDAccountant, pld_epsilon
+from .pld import PLDAccountant, pld_epsilon, steering_epsilon
 from .rdp import DEFAULT_ORDERS, RDPAccountant, conversion_terms, ledger_rdp, rdp_subsampled_gaussian
 
 __all__ = [
@@ -123,15 +123,24 @@ def calibrate_noise(target_epsilon, delta, sample_rate, steps, accountant: str =
         guess = _solve(lambda sigma: eps(sigma, "rdp"), target, start)
         if name == "rdp":
             return guess
-        return _solve(lambda sigma: eps(sigma, "pld"), target, guess, close=True)
+        # A PLD on a grid 16 times coarser (an upper bound too, a little looser) brings the
+        # RDP answer to within a fraction of a percent cheaply; the PLD itself finishes.
+        coarse = _solve(lambda sigma: pld_epsilon([(sigma, q, steps)], delta, _COARSE_GRID), target, guess, close=True,
+                        max_evaluations=8)
+        return _finish(lambda sigma: eps(sigma, "pld"), target, coarse, q, steps, delta)
     if name == "rdp":
         raise ValueError(
             f"target_epsilon {target!r} is below what the RDP accountant can certify at delta={delta!r} "
             f"(its bound never falls below {rdp_floor:.3g} for any noise multiplier); "
             f"use accountant='pld', which meets any positive target"
         )
-    return _solve(lambda sigma: eps(sigma, "pld"), target, start)
+    coarse = _solve(lambda sigma: pld_epsilon([(sigma, q, steps)], delta, _COARSE_GRID), target, start,
+                    max_evaluations=12)
+    return _finish(lambda sigma: eps(sigma, "pld"), target, coarse, q, steps, delta)
 
+
+#: Grid of the PLD that steers a calibration before the accountant's own grid finishes it.
+_COARSE_GRID = 2**14
 
 #: Largest noise multiplier a calibration tries before giving up.
 _SIGMA_MAX = 1e15
@@ -145,26 +154,52 @@ def _gdp_guess(target: float, delta: float, q: float, steps: int) -> float:
     return min(max(q * math.sqrt(steps) / mu, 1e-2), 1e12)
 
 
-def _solve(eps_of, target: float, start: float, close: bool = False) -> float:
+def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: float) -> float:
+    """The accountant's own search from the coarse answer ``start``, told the local slope
+    of log epsilon against log sigma (from the coarse PLD, 2% lower): where epsilon
+    falls steeply (tiny q) the first step down then lands near the answer."""
+    low, high = (pld_epsilon([(sigma, q, steps)], delta, _COARSE_GRID) for sigma in (0.98 * start, start))
+    slope = math.log(low / high) / -math.log(0.98) if 0 < high < low < math.inf else 2.0
+    return _solve(eps_of, target, start, close=True, slope=min(max(slope, 1.0), 50.0))
+
+
+def _solve(eps_of, target: float, start: float, close: bool = False, max_evaluations: int = 0,
+           slope: float = 2.0) -> float:
     """A sigma with ``target (1 - tolerance) <= eps_of(sigma) <= target``, or else the
     smallest evaluated feasible sigma once the bracket cannot shrink further.
 
     Every returned sigma has been evaluated and found feasible, so the answer never
     overshoots the target whatever the shape of ``eps_of``. ``close`` says the answer is
     known to lie a few percent below ``start`` (the PLD below the RDP answer).
+    ``max_evaluations`` (0: no limit) is for steering searches, whose answer only
+    starts another: past it, the smallest feasible sigma seen (or the largest tried).
     """
     floor = target * (1.0 - _CALIBRATION_TOLERANCE)
     known: dict[float, float] = {}
 
+    class _Enough(Exception):
+        pass
+
     def f(sigma: float) -> float:
         if sigma not in known:
+            if max_evaluations and len(known) >= max_evaluations:
+                raise _Enough
             known[sigma] = eps_of(sigma)
         return known[sigma]
+
+    try:
+        return _solve_with(f, target, floor, start, close, slope)
+    except _Enough:  # a steering search out of evaluations: its best feasible point
+        feasible = [sigma for sigma, value in known.items() if value <= target]
+        return min(feasible) if feasible else max(known)
+
+
+def _solve_with(f, target: float, floor: float, start: float, close: bool, slope: float) -> float:
 
     # Bracket: high feasible (eps <= target), low infeasible (eps > target).
     high = start
     while f(high) > target:
-        high *= 4.0
+        high *= 1.02 if close else 4.0
         if high > _SIGMA_MAX:
             raise ValueError(
                 f"target_epsilon {target!r} cannot be met: even noise_multiplier {_SIGMA_MAX:g} "
@@ -174,14 +209,15 @@ def _solve(eps_of, target: float, start: float, close: bool = False) -> float:
         return high
     # Step down to an infeasible point, aiming at the target along a power law: epsilon
     # ~ sigma^-k with k from the last two feasible points (2 before there are two), each
-    # step a factor between 0.5 and 0.97 (0.25 and 0.5 without a close start).
+    # step a factor between 0.5 and 0.9995 (0.25 and 0.5 without a close start).
     def step_down(sigma: float, previous: float | None) -> float:
         value = max(f(sigma), 1e-300)
-        k = 2.0
+        k = slope
         if previous is not None and f(previous) > 0 and previous != sigma:
             k = min(max(math.log(value / f(previous)) / math.log(previous / sigma), 1.0), 50.0)
-        factor = (value / target) ** (1.0 / k)
-        return sigma * min(max(factor, 0.5 if close else 0.25), 0.97 if close else 0.5)
+        # aimed at the middle of the accepted band, so that a good step lands in it
+        factor = (value / (target * (1.0 - _CALIBRATION_TOLERANCE / 2))) ** (1.0 / k)
+        return sigma * min(max(factor, 0.5 if close else 0.25), 0.9995 if close else 0.5)
 
     low, previous = step_down(high, None), None
     while f(low) <= target:
@@ -267,16 +303,74 @@ def max_steps(
     low = _max_steps_rdp(sigma, q, delta, budget, base, limit)
     if low >= limit:
         return UNLIMITED_STEPS
+    # The search runs on a quick PLD that keeps the ledger's groups fixed, on a grid 8
+    # times coarser than the accountant's and held fixed over the candidates (so each
+    # candidate costs one power of one cached transform). Its bias is then measured at
+    # its answer against the accountant and divided out, the search repeated, and the
+    # answer settled on the accountant itself: k fits and k + 1 does not.
+    if name != "pld" or steering_epsilon(base.runs, sigma, q, 0, delta, grid_points=_STEERING_GRID) is None:
+        found = _search_steps(eps, budget, low, limit)
+        return UNLIMITED_STEPS if found >= limit else found
+    # One grid for all candidates up to a cap, raised fourfold when passed. The cap starts
+    # at four times a guess: the RDP count at the budget scaled by how much RDP
+    # over-reports the ledger so far.
+    ratio = epsilon_of_ledger(base.runs, delta, "rdp") / max(eps(0), 1e-300) if base.steps else 1.0
+    guess = _max_steps_rdp(sigma, q, delta, budget * min(max(ratio, 1.0), 4.0), base, limit)
+    cap = [4 * max(low, guess, 16)]
+    bias = [1.0]
+
+    def steer(k: int) -> float:
+        if k > cap[0]:
+            cap[0] = 4 * k
+        value = steering_epsilon(base.runs, sigma, q, k, delta, grid_count=cap[0], grid_points=_STEERING_GRID)
+        return value * bias[0]
+
+    found = _search_steps(steer, budget, low, limit)
+    if found >= limit:
+        return UNLIMITED_STEPS
+    if found > 0:
+        bias[0] = eps(found) / steer(found)
+        found = _search_steps(steer, budget, found, limit, first_step=max(1, found // 64))
+        if found >= limit:
+            return UNLIMITED_STEPS
+    return _settle(eps, budget, found, limit)
+
+
+#: Grid of the quick PLD that steers max_steps' search.
+_STEERING_GRID = 2**15
+
+
+def _search_steps(eps, budget: float, low: int, limit: int, first_step: int = 0) -> int:
+    """Largest k with eps(k) <= budget, from a start ``low`` that usually fits, galloping
+    up from ``low`` by ``first_step`` (default ``low / 8``), then twice that, ..."""
     if low > 0 and eps(low) > budget:  # rounding, or a coarsened long ledger
         low = _last_feasible(eps, budget, 0, low)
     # Gallop up for a point over budget, then narrow the bracket (low in, high out).
-    step = max(1, low // 8)
+    step = first_step or max(1, low // 8)
     high = low + step
     while eps(high) <= budget:
         low, step = high, 2 * step
         high = low + step
         if high >= limit:
-            return UNLIMITED_STEPS
+            return limit
+    return _last_feasible(eps, budget, low, high)
+
+
+def _settle(eps, budget: float, k: int, limit: int) -> int:
+    """From a guess ``k``, the nearest ``k'`` with ``eps(k') <= budget < eps(k' + 1)``,
+    galloping from ``k`` in steps of 1, 2, 4, ... (the caller has checked ``eps(0)``)."""
+    if eps(k) <= budget:
+        step, low = 1, k
+        while eps(low + step) <= budget:
+            low, step = low + step, 2 * step
+            if low + step >= limit:
+                return limit
+        return _last_feasible(eps, budget, low, low + step)
+    step, high = 1, k
+    low = max(high - step, 0)
+    while low > 0 and eps(low) > budget:
+        high, step = low, 2 * step
+        low = max(high - step, 0)
     return _last_feasible(eps, budget, low, high)
 
 

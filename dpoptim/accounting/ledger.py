@@ -12,8 +12,8 @@ runs merge, so a run of 100,000 identical steps is one entry and every accountan
 it at once. Ledgers are plain values: :meth:`Ledger.compose` returns a new ledger and never
 changes the old one.
 
-The ``check_*`` helpers validate one argument each and raise :class:`ValueError` naming
-it, so an error always says which argument was wrong and what it was.
+Arguments are validated by :mod:`dpoptim.validate` (re-exported here as ``check_*``),
+the same functions the optimizers use: an error always names the argument.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import abc
 import functools
 import heapq
 import math
-import numbers
 from collections.abc import Iterable
 from typing import NamedTuple
+
+from .. import validate
 
 __all__ = [
     "Run",
@@ -40,67 +41,13 @@ __all__ = [
 ]
 
 
-def check_noise_multiplier(value, name: str = "noise_multiplier") -> float:
-    """Return ``value`` as a float after checking ``value >= 0`` (``inf`` allowed).
-
-    ``0`` means no noise (epsilon is infinite as soon as a step is taken); ``inf`` means a
-    step that reveals nothing.
-    """
-    value = _as_real(value, name)
-    if math.isnan(value) or value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
-    return value
-
-
-def check_sample_rate(value, name: str = "sample_rate") -> float:
-    """Return ``value`` as a float after checking ``0 < value <= 1``."""
-    value = _as_real(value, name)
-    if not 0.0 < value <= 1.0:
-        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
-    return value
-
-
-def check_delta(value, name: str = "delta") -> float:
-    """Return ``value`` as a float after checking ``0 < value < 1``."""
-    value = _as_real(value, name)
-    if not 0.0 < value < 1.0:
-        raise ValueError(f"{name} must be in (0, 1), got {value!r}")
-    return value
-
-
-def check_epsilon(value, name: str = "epsilon", *, positive: bool = False) -> float:
-    """Return ``value`` as a float after checking ``value >= 0`` (``> 0`` if ``positive``)."""
-    value = _as_real(value, name)
-    if math.isnan(value) or value < 0 or (positive and value == 0):
-        bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"{name} must be {bound}, got {value!r}")
-    return value
-
-
-def check_count(value, name: str = "count") -> int:
-    """Return ``value`` as an int after checking it is a non-negative integer.
-
-    Integral floats such as ``1e4`` are accepted; ``1.5``, ``nan``, ``True`` and negative
-    numbers are not.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    if isinstance(value, numbers.Integral):
-        result = int(value)
-    else:
-        as_float = float(value)
-        if not (math.isfinite(as_float) and as_float.is_integer()):
-            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-        result = int(as_float)
-    if result < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    return result
-
-
-def _as_real(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a real number, got {value!r}")
-    return float(value)
+# The validators live in dpoptim.validate, shared with the optimizers; these names stay
+# for the accounting modules and for code that imported them from here.
+check_noise_multiplier = validate.noise_multiplier
+check_sample_rate = validate.sample_rate
+check_delta = validate.delta
+check_epsilon = validate.epsilon
+check_count = validate.count
 
 
 class Run(NamedTuple):
@@ -113,6 +60,9 @@ class Run(NamedTuple):
     @classmethod
     def checked(cls, noise_multiplier, sample_rate, count=1) -> Run:
         """Build a run after validating every field (raises ValueError naming the field)."""
+        if (type(noise_multiplier) is float and type(sample_rate) is float and type(count) is int
+                and noise_multiplier >= 0.0 and 0.0 < sample_rate <= 1.0 and count >= 0):
+            return cls(noise_multiplier, sample_rate, count)  # the common case, already valid
         return cls(
             check_noise_multiplier(noise_multiplier),
             check_sample_rate(sample_rate),
@@ -259,7 +209,13 @@ def _coarsen(runs: tuple, max_distinct: int, optimistic: bool) -> tuple:
     )
     if len(items) <= 1:
         return tuple(out + [(sigma, q, count) for (sigma, q), count in items])
-    groups = _merge_groups(items, max(1, max_distinct - len(out)))
+    # The partition depends on the pairs and the rounded counts only: a ledger grown by a
+    # step usually finds it cached.
+    sizes = _partition(tuple((key, _rounded_count(count)) for key, count in items), max(1, max_distinct - len(out)))
+    groups, start = [], 0
+    for size in sizes:
+        groups.append(items[start:start + size])
+        start += size
     for members in groups:
         sigmas = [sigma for (sigma, _), _ in members]
         rates = [q for (_, q), _ in members]
@@ -278,13 +234,25 @@ def _step_cost(sigma: float, q: float) -> float:
     return q * q * math.expm1(min(1.0 / (sigma * sigma), 200.0))
 
 
+@functools.lru_cache(maxsize=64)
+def _partition(items: tuple, max_distinct: int) -> tuple:
+    """Sizes of the consecutive groups :func:`_merge_groups` forms from ``items``."""
+    return tuple(len(members) for members in _merge_groups(list(items), max_distinct))
+
+
+def _rounded_count(count: float) -> float:
+    return 2.0 ** (round(4.0 * math.log2(count)) / 4.0)
+
+
 def _merge_groups(items: list, max_distinct: int) -> list[list]:
     """Greedy agglomeration of neighbours in ``items`` (``((sigma, q), count)``, ordered):
     a heap of neighbour merges by cost, stale entries skipped by version numbers."""
     n = len(items)
     members = [[item] for item in items]
-    counts = [item[1] for item in items]
-    weights = [count * _step_cost(*key) for key, count in items]  # sum of c_r w_r
+    # Costs use counts rounded to quarter octaves: a ledger that grows by a step (or
+    # max_steps' next candidate) then keeps its groups, and the transforms cached for them.
+    counts = [item[1] for item in items]  # rounded by the caller (see _partition)
+    weights = [count * _step_cost(*key) for (key, _), count in zip(items, counts)]  # sum of c_r w_r
     sig_min = [key[0] for key, _ in items]
     q_max = [key[1] for key, _ in items]
     total = sum(weights)

@@ -120,7 +120,10 @@ def rdp_subsampled_gaussian(noise_multiplier, sample_rate, orders=None) -> np.nd
     q = check_sample_rate(sample_rate)
     if orders is None:
         return _default_rdp(sigma, q)
-    return _rdp(sigma, q, _check_orders(orders))
+    orders = _check_orders(orders)
+    if orders.size <= 256:  # small order sets (the PLD's window) are cached too
+        return _cached_rdp(sigma, q, orders.tobytes())
+    return _rdp(sigma, q, orders)
 
 
 def _check_orders(orders) -> np.ndarray:
@@ -133,6 +136,13 @@ def _check_orders(orders) -> np.ndarray:
 @functools.lru_cache(maxsize=1024)
 def _default_rdp(sigma: float, q: float) -> np.ndarray:
     rdp = _rdp(sigma, q, DEFAULT_ORDERS)
+    rdp.setflags(write=False)
+    return rdp
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_rdp(sigma: float, q: float, orders: bytes) -> np.ndarray:
+    rdp = _rdp(sigma, q, np.frombuffer(orders, dtype=float))
     rdp.setflags(write=False)
     return rdp
 
