@@ -542,7 +542,10 @@ class DPOptimizerMixin:
 
     @_ledger.setter
     def _ledger(self, ledger) -> None:
-        self._composed, self._latest = ledger, (None, None, 0)
+        """A Ledger, or runs ``(sigma, q, count)`` to build one from (validated)."""
+        kind = type(self._composed)
+        self._composed = ledger if isinstance(ledger, kind) else kind(ledger)
+        self._latest = (None, None, 0)
 
     @property
     def ledger(self) -> tuple[tuple[float, float, int], ...]:
