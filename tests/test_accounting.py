@@ -193,7 +193,8 @@ def test_rdp_has_no_nan_in_extreme_regimes(sigma, q):
 
 
 def test_rdp_reference_values():
-    # REFERENCE.md: a sound RDP accountant reports at most these, and a good one is close.
+    # Public reference values (delta 1e-5, add/remove, Poisson; the RDP conversion of Canonne,
+    # Kamath & Steinke 2020): a sound RDP accountant reports at most these, and a good one is close.
     for (sigma, q, steps), bound in [((0.8, 0.001, 10_000), 1.38382), ((1.1, 0.05, 1000), 10.0152),
                                       ((10.0, 1.0, 100), 4.72852)]:
         value = epsilon(sigma, q, steps, DELTA, accountant="rdp")
@@ -240,7 +241,7 @@ def test_pld_two_different_steps_against_quadrature(first, second):
 
 
 def test_pld_reference_values():
-    # REFERENCE.md lists 0.78252 for (0.8, 0.001, 10^4), a connect-the-dots estimate at
+    # The public reference value for (0.8, 0.001, 10^4) is 0.78252, a pessimistic PLD at
     # discretisation 1e-4 that itself sits above the exact value: the same method at 1e-5
     # gives 0.782389, still an upper bound on the exact epsilon. A tight accountant may
     # therefore report less than 0.78252, but never less than the exact value.

@@ -587,3 +587,27 @@ def test_a_forward_that_raised_leaves_no_stale_model_call_behind():
         broken(torch.randn(5, 3))
     model(torch.randn(4, 3)).sum().backward()
     opt.step()
+
+
+def test_torch_compile_wrapper_after_the_first_step_is_exact_or_refused():
+    """After the first step the hooks sit on the model's own modules, not process-wide, so
+    the wrapper torch.compile(model) returns is no longer seen being called. Whatever the
+    compiled forward does with those hooks, the step must be the exact clipped one or be
+    refused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, y = 20 * torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    plain = update(model, x, y)
+    calls = []
+
+    def step(m, x, y):
+        calls.append(m)
+        forward = m if len(calls) == 1 else torch.compile(m)  # compiled from the second step on
+        mse(forward(x), y).mean().backward()
+
+    try:
+        compiled = update(model, x, y, train_step=step)
+    except (RuntimeError, dpoptim.UnsupportedLayerError) as exc:
+        assert "compile" in str(exc)
+        return
+    assert torch.allclose(compiled, plain, rtol=1e-9, atol=1e-12)
