@@ -84,6 +84,7 @@ class GradEngine(CaptureMixin, AccelerationMixin, ClippingMixin, ShardingMixin):
         self._ddp_syncing = None  # in a DistributedDataParallel forward: whether it all-reduces
         self._fsdp_owner: dict[int, tuple] = {}  # id(sharded) -> (weakref to its FSDP module, its slot)
         self._aliases: dict[int, tuple] = {}
+        self._alias_hooked: set[int] = set()  # unsharded stand-ins already hooked
         # Process-wide forward hooks until a checked step, then only on the model's modules.
         self._scope = HookScope(functools.partial(_forward_pre_hook, self._ref),
                                 functools.partial(_forward_hook, self._ref),

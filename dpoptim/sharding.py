@@ -68,11 +68,15 @@ class ShardingMixin:
         """Recognise ``p`` in ``module``'s slot ``name`` as FSDP2's unsharded stand-in for
         a sharded parameter of this optimizer; hook it as the sharded one is hooked."""
         sharded = self._slots.get((id(module), name))
-        if sharded is None or p is None or id(p) in self._params or self._owned(p) is sharded:
+        if sharded is None or p is None or id(p) in self._params:
             return
-        fsdp.check_unsharded(p, sharded, f"parameter '{name}' of {paths.describe(module)}")
-        self._aliases[id(p)] = (weakref.ref(p), sharded)
-        if p.requires_grad:
+        if self._owned(p) is not sharded:
+            fsdp.check_unsharded(p, sharded, f"parameter '{name}' of {paths.describe(module)}")
+            self._aliases[id(p)] = (weakref.ref(p), sharded)
+        # FSDP copies requires_grad from the sharded parameter at every gathering: one
+        # frozen when first seen is hooked once it is unfrozen.
+        if p.requires_grad and id(p) not in self._alias_hooked:
+            self._alias_hooked.add(id(p))
             self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(_accumulated_hook, self._ref, sharded)))
             if self._verify:
                 self._verify_handles.append(p.register_hook(functools.partial(_param_grad_hook, self._ref, id(sharded))))

@@ -163,7 +163,9 @@ def share(rank, world, how):
     return lambda t: t if rank == 0 else t[:0]
 
 
-def train(case, rank, world, optimizer="sgd", sigma=0.0, sharded=True, how="strided", chunk=None, cleared=False):
+def train(case, rank, world, optimizer="sgd", sigma=0.0, sharded=True, how="strided", chunk=None, cleared=False,
+          frozen_first=False):
+    """``frozen_first``: the first layer is frozen for the first step, trained after."""
     make, shard, batches, forward, loss = CASES[case]
     model = make()
     if sharded:
@@ -174,7 +176,9 @@ def train(case, rank, world, optimizer="sgd", sigma=0.0, sharded=True, how="stri
     opt = (dpoptim.DPSGD(params, lr=LR, **kwargs) if optimizer == "sgd"
            else dpoptim.DPAdam(params, lr=0.05, **kwargs))
     mine = share(rank, world, how)
-    for inputs, target in batches():
+    for step, (inputs, target) in enumerate(batches()):
+        if frozen_first:
+            model[0].requires_grad_(step > 0)
         opt.zero_grad()
         if cleared:  # a batch backpropagated, then cleared with the model: torch forgets it
             loss(forward(model, *(3 * mine(t) for t in inputs)), mine(target)).mean().backward()
@@ -346,6 +350,7 @@ def scenarios(rank):
         "mlp_lopsided": train("mlp", rank, WORLD, how="lopsided"),
         "mlp_chunks": train("mlp", rank, WORLD, how="lopsided", chunk=3),
         "mlp_cleared": train("mlp", rank, WORLD, cleared=True),
+        "mlp_frozen": train("mlp", rank, WORLD, frozen_first=True),
         "zoo": train("zoo", rank, WORLD),
         "sensitivity": sensitivity(rank),
         "mlp_adam_noise": train("mlp", rank, WORLD, optimizer="adam", sigma=SIGMA),
@@ -386,6 +391,7 @@ def assert_same(got, expected, rtol=1e-6):
     ("mlp_lopsided", "sgd", 0.0),
     ("mlp_chunks", "sgd", 0.0),
     ("mlp_cleared", "sgd", 0.0),
+    ("mlp_frozen", "sgd", 0.0),
     ("mlp_adam_noise", "adam", SIGMA),
     ("zoo", "sgd", 0.0),
     ("llama_tied", "sgd", 0.0),
@@ -399,7 +405,8 @@ def test_sharded_training_equals_unsharded(ranks, case, optimizer, sigma):
     if case not in ranks[0]:
         pytest.skip("needs transformers and peft")
     model_case = case.split("_")[0] if case.startswith("mlp") else case
-    expected, expected_ledger = train(model_case, 0, 1, optimizer=optimizer, sigma=sigma, sharded=False)
+    expected, expected_ledger = train(model_case, 0, 1, optimizer=optimizer, sigma=sigma, sharded=False,
+                                      frozen_first=case == "mlp_frozen")
     for r in range(WORLD):
         params, ledger = ranks[r][case]
         assert_same(params, expected)
