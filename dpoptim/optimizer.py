@@ -28,8 +28,6 @@ the training loops.
 from __future__ import annotations
 
 import math
-import os
-import sys
 import warnings
 import weakref
 from typing import NamedTuple
@@ -37,42 +35,18 @@ from typing import NamedTuple
 import torch
 
 from . import _torch, distributed, fsdp, validate
+from .amp import MixedPrecisionMixin, check_grad_scaler
 from .data import batches_per_epoch
 from .engine import GradEngine
-from .errors import PrivacyBudgetExceeded, PrivacyWarning
+from .errors import PrivacyWarning
 from .privatize import add_noise_, fresh_generator
+from .spending import PrivacySpent, SpendingMixin
+from .watches import BatchSizeWatchMixin
 
 __all__ = ["DPOptimizerMixin", "make_private", "DPSGD", "DPAdam", "DPRMSProp", "PrivacySpent"]
 
 _LOSS_REDUCTIONS = ("mean", "sum")
 _DEFAULT_DELTA = 1e-5
-# Steps with the same batch size after which Poisson sampling is implausible (see _watch_batch_size).
-_FIXED_SIZE_STEPS = 32
-
-
-class PrivacySpent(NamedTuple):
-    epsilon: float
-    delta: float
-
-
-class _SizeWatch:
-    """State of :meth:`DPOptimizerMixin._watch_batch_size`: the last batch size, how many
-    steps in a row had it, and whether the warning was given."""
-
-    __slots__ = ("last", "run", "warned")
-
-    def __init__(self):
-        self.last, self.run, self.warned = None, 0, False
-
-
-class _MeanWatch:
-    """State of :meth:`DPOptimizerMixin._watch_mean_batch_size`: the expected size being
-    watched, the steps and examples counted against it, and whether the warning was given."""
-
-    __slots__ = ("expected", "steps", "examples", "warned")
-
-    def __init__(self, expected=None):
-        self.expected, self.steps, self.examples, self.warned = expected, 0, 0, False
 
 
 def _check_noise_multiplier(value) -> float:
@@ -88,7 +62,101 @@ def _check_sample_rate(value) -> float:
     return validate.sample_rate(value)
 
 
-class DPOptimizerMixin:
+class _Settings(NamedTuple):
+    noise_multiplier: float
+    max_grad_norm: float
+    expected_batch_size: float
+    sample_rate: float
+    delta: float
+    max_epsilon: float | None
+
+
+def _resolve_settings(*, noise_multiplier, max_grad_norm, expected_batch_size, sample_rate, dataset_size,
+                      loss_reduction, generator, delta, accountant, max_epsilon, target_epsilon, steps, epochs,
+                      grad_scaler, secure_mode) -> _Settings:
+    """The constructor's privacy settings, checked, with what is derived from them (q from
+    B and the dataset size, B from q, σ calibrated for a target ε). Warnings point at the
+    optimizer's construction (stacklevel 4: the caller of ``__init__``)."""
+    if loss_reduction not in _LOSS_REDUCTIONS:
+        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    max_grad_norm = _check_max_grad_norm(max_grad_norm)
+    expected_batch_size, sample_rate = _resolve_sampling(expected_batch_size, sample_rate, dataset_size)
+    if accountant not in ("pld", "rdp"):
+        raise ValueError(f"accountant must be 'pld' or 'rdp', got {accountant!r}")
+    if delta is None:
+        delta = _DEFAULT_DELTA
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    if dataset_size is not None and delta >= 1 / dataset_size:
+        warnings.warn(
+            f"delta={delta} is not below 1/dataset_size={1 / dataset_size:.3g}: a mechanism that "
+            "publishes one example outright meets such a delta. Use delta < 1/dataset_size.",
+            PrivacyWarning,
+            stacklevel=4,
+        )
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if secure_mode and generator is not None:
+        raise ValueError(
+            "secure_mode=True reseeds the noise from the operating system at every step and "
+            "cannot use a given generator: pass generator=None (or secure_mode=False for "
+            "reproducible noise)"
+        )
+    check_grad_scaler(grad_scaler, stacklevel=5)
+    noise_multiplier, max_epsilon = _resolve_noise(noise_multiplier, target_epsilon, steps, epochs, max_epsilon,
+                                                   delta, sample_rate, accountant)
+    return _Settings(noise_multiplier, max_grad_norm, expected_batch_size, sample_rate, float(delta), max_epsilon)
+
+
+def _resolve_sampling(expected_batch_size, sample_rate, dataset_size) -> tuple[float, float]:
+    """``(B, q)``, each given or derived from the other and the dataset size."""
+    if dataset_size is not None and not (int(dataset_size) == dataset_size and dataset_size >= 1):
+        raise ValueError(f"dataset_size must be a positive integer, got {dataset_size}")
+    if sample_rate is None and dataset_size is not None and expected_batch_size is not None:
+        sample_rate = float(expected_batch_size) / dataset_size
+    if sample_rate is None:
+        raise ValueError(
+            "sample_rate is needed for privacy accounting: pass sample_rate=q (the probability "
+            "that an example is in a batch), or dataset_size together with expected_batch_size"
+        )
+    sample_rate = _check_sample_rate(sample_rate)
+    if expected_batch_size is None:
+        if dataset_size is None:
+            raise ValueError(
+                "expected_batch_size is needed: pass it (the mean batch size, e.g. "
+                "sample_rate * len(dataset)) or pass dataset_size so it can be derived"
+            )
+        expected_batch_size = sample_rate * dataset_size
+    expected_batch_size = float(expected_batch_size)
+    if not (expected_batch_size > 0 and math.isfinite(expected_batch_size)):
+        raise ValueError(f"expected_batch_size must be a finite number > 0, got {expected_batch_size}")
+    return expected_batch_size, sample_rate
+
+
+def _resolve_noise(noise_multiplier, target_epsilon, steps, epochs, max_epsilon, delta, sample_rate,
+                   accountant) -> tuple[float, float | None]:
+    """``(σ, max_epsilon)``: σ given, or calibrated so that the run spends ``target_epsilon``
+    (which is then the default budget)."""
+    if noise_multiplier is None:
+        if target_epsilon is None:
+            raise ValueError("noise_multiplier is required (or pass target_epsilon with steps or epochs)")
+        if (steps is None) == (epochs is None):
+            raise ValueError("with target_epsilon, pass exactly one of steps or epochs")
+        total = int(steps) if steps is not None else math.ceil(float(epochs) * batches_per_epoch(sample_rate))
+        from . import accounting  # scipy is imported only when accounting is used
+
+        noise_multiplier = accounting.calibrate_noise(target_epsilon, delta, sample_rate, total, accountant=accountant)
+        if max_epsilon is None:
+            max_epsilon = float(target_epsilon)
+    elif target_epsilon is not None:
+        raise ValueError("pass either noise_multiplier or target_epsilon, not both")
+    noise_multiplier = _check_noise_multiplier(noise_multiplier)
+    if max_epsilon is not None and not max_epsilon > 0:
+        raise ValueError(f"max_epsilon must be > 0, got {max_epsilon}")
+    return noise_multiplier, None if max_epsilon is None else float(max_epsilon)
+
+
+class DPOptimizerMixin(SpendingMixin, BatchSizeWatchMixin, MixedPrecisionMixin):
     """Makes the torch optimizer after it in the MRO differentially private.
 
     Keyword-only arguments (everything else goes to the torch optimizer unchanged):
@@ -162,69 +230,13 @@ class DPOptimizerMixin:
         **kwargs,
     ):
         _check_optimizer_class(type(self))
-        if loss_reduction not in _LOSS_REDUCTIONS:
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        max_grad_norm = _check_max_grad_norm(max_grad_norm)
-        if dataset_size is not None and not (int(dataset_size) == dataset_size and dataset_size >= 1):
-            raise ValueError(f"dataset_size must be a positive integer, got {dataset_size}")
-        if sample_rate is None and dataset_size is not None and expected_batch_size is not None:
-            sample_rate = float(expected_batch_size) / dataset_size
-        if sample_rate is None:
-            raise ValueError(
-                "sample_rate is needed for privacy accounting: pass sample_rate=q (the probability "
-                "that an example is in a batch), or dataset_size together with expected_batch_size"
-            )
-        sample_rate = _check_sample_rate(sample_rate)
-        if expected_batch_size is None:
-            if dataset_size is None:
-                raise ValueError(
-                    "expected_batch_size is needed: pass it (the mean batch size, e.g. "
-                    "sample_rate * len(dataset)) or pass dataset_size so it can be derived"
-                )
-            expected_batch_size = sample_rate * dataset_size
-        expected_batch_size = float(expected_batch_size)
-        if not (expected_batch_size > 0 and math.isfinite(expected_batch_size)):
-            raise ValueError(f"expected_batch_size must be a finite number > 0, got {expected_batch_size}")
-        if accountant not in ("pld", "rdp"):
-            raise ValueError(f"accountant must be 'pld' or 'rdp', got {accountant!r}")
-        if delta is None:
-            delta = _DEFAULT_DELTA
-        if not 0 < delta < 1:
-            raise ValueError(f"delta must be in (0, 1), got {delta}")
-        if dataset_size is not None and delta >= 1 / dataset_size:
-            warnings.warn(
-                f"delta={delta} is not below 1/dataset_size={1 / dataset_size:.3g}: a mechanism that "
-                "publishes one example outright meets such a delta. Use delta < 1/dataset_size.",
-                PrivacyWarning,
-                stacklevel=3,
-            )
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-        if secure_mode and generator is not None:
-            raise ValueError(
-                "secure_mode=True reseeds the noise from the operating system at every step and "
-                "cannot use a given generator: pass generator=None (or secure_mode=False for "
-                "reproducible noise)"
-            )
-        _check_grad_scaler(grad_scaler)
-
-        if noise_multiplier is None:
-            if target_epsilon is None:
-                raise ValueError("noise_multiplier is required (or pass target_epsilon with steps or epochs)")
-            if (steps is None) == (epochs is None):
-                raise ValueError("with target_epsilon, pass exactly one of steps or epochs")
-            total = int(steps) if steps is not None else math.ceil(float(epochs) * batches_per_epoch(sample_rate))
-            from . import accounting  # scipy is imported only when accounting is used
-
-            noise_multiplier = accounting.calibrate_noise(target_epsilon, delta, sample_rate, total, accountant=accountant)
-            if max_epsilon is None:
-                max_epsilon = float(target_epsilon)
-        elif target_epsilon is not None:
-            raise ValueError("pass either noise_multiplier or target_epsilon, not both")
-        noise_multiplier = _check_noise_multiplier(noise_multiplier)
-        if max_epsilon is not None and not max_epsilon > 0:
-            raise ValueError(f"max_epsilon must be > 0, got {max_epsilon}")
-
+        settings = _resolve_settings(
+            noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, expected_batch_size=expected_batch_size,
+            sample_rate=sample_rate, dataset_size=dataset_size, loss_reduction=loss_reduction, generator=generator,
+            delta=delta, accountant=accountant, max_epsilon=max_epsilon, target_epsilon=target_epsilon, steps=steps,
+            epochs=epochs, grad_scaler=grad_scaler, secure_mode=secure_mode,
+        )
+        noise_multiplier, max_grad_norm = settings.noise_multiplier, settings.max_grad_norm
         this = weakref.ref(self)  # the engine must not keep the optimizer alive
         self._grad_scaler = grad_scaler
         self._engine = GradEngine(lambda: this()._clip_bound_for_backward(), loss_reduction)
@@ -233,13 +245,13 @@ class DPOptimizerMixin:
             group.setdefault("noise_multiplier", noise_multiplier)
             group.setdefault("max_grad_norm", max_grad_norm)
         self.defaults.update(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm)
-        self.expected_batch_size = expected_batch_size
-        self.sample_rate = sample_rate
+        self.expected_batch_size = settings.expected_batch_size
+        self.sample_rate = settings.sample_rate
         self.dataset_size = dataset_size
         self.loss_reduction = loss_reduction
-        self.delta = float(delta)
+        self.delta = settings.delta
         self.accountant = accountant
-        self.max_epsilon = None if max_epsilon is None else float(max_epsilon)
+        self.max_epsilon = settings.max_epsilon
         self._user_generator = generator
         self._written: dict[int, weakref.ref] = {}  # id(param) -> the .grad the last step() wrote
         self._checked_layouts: set[int] = set()  # FSDP2 parameters whose sharding was checked
@@ -251,8 +263,7 @@ class DPOptimizerMixin:
         self._latest = (None, None, 0)  # (sigma, q, steps) of the latest run, composed when read (_ledger)
         self._budget_cache: tuple | None = None
         self._process_group = process_group
-        self._size_watch = _SizeWatch()
-        self._mean_watch = _MeanWatch()
+        self._init_watches()
 
     # ----------------------------------------------------------------- hyperparameters
     def add_param_group(self, param_group: dict) -> None:
@@ -438,257 +449,6 @@ class DPOptimizerMixin:
                     updated.append(p)
         return updated
 
-    # ----------------------------------------------------------------- mixed precision
-    def _loss_scale(self) -> float:
-        scaler = self._grad_scaler
-        if scaler is None or not scaler.is_enabled():
-            return 1.0
-        scale = float(scaler.get_scale())
-        if not (scale > 0 and math.isfinite(scale)):
-            raise ValueError(f"the GradScaler's scale is {scale}; it must be a finite number > 0")
-        return scale
-
-    def _clip_bound_for_backward(self) -> float:
-        """The bound the engine clips backward's gradients to: C in loss-scaled units.
-
-        ``min(1, C S / ||S g_i||) = min(1, C / ||g_i||)``, so the factors are those of the
-        unscaled gradients; :meth:`step` divides the sums by S before the noise. The engine
-        reads this at the end of every backward and again in ``step``, so a scale changed in
-        between (``scaler.update()`` before ``step``) is refused like a changed C.
-        """
-        return self.max_grad_norm * self._loss_scale()
-
-    def _report_no_overflow(self) -> None:
-        """Tell the GradScaler that nothing overflowed, whatever the data did.
-
-        ``scaler.update()`` backs the scale off after an overflow it found in autograd's
-        gradients; that would make the scale, which decides which examples overflow next,
-        a function of the private data. The step has already dropped any overflowing
-        example (clip factor 0), so there is nothing to back off from.
-        """
-        scaler = self._grad_scaler
-        if scaler is None or not scaler.is_enabled():
-            return
-        _torch.grad_scaler_report_no_overflow(scaler, self)
-
-    # ----------------------------------------------------------------- data loading
-    def _watch_batch_size(self, examples: int, q: float, local_expected: float) -> None:
-        """Warn once if the batch size looks fixed while the accounting assumes Poisson sampling.
-
-        Under Poisson sampling with variance ``B (1 - q) >= 1`` two batches have the same
-        size with probability below about 0.4, so 32 equal sizes in a row happen by chance
-        with probability below 1e-12: the batches come from a fixed-size loader.
-        """
-        watch = self._size_watch
-        if watch.warned or q >= 1 or examples == 0:
-            return
-        watch.run = watch.run + 1 if examples == watch.last else 1
-        watch.last, run = examples, watch.run
-        if run >= _FIXED_SIZE_STEPS and local_expected * (1 - q) >= 1:
-            watch.warned = True
-            warnings.warn(
-                f"the last {run} batches all had {examples} examples, but the privacy accounting "
-                f"assumes Poisson sampling (sample_rate={q}), whose batch sizes vary. A shuffled "
-                "fixed-size DataLoader is a different mechanism and the reported epsilon does not "
-                "apply to it. Use dpoptim.data.poisson_loader(dataset, sample_rate=q).",
-                PrivacyWarning,
-                stacklevel=_caller_stacklevel(),
-            )
-
-    def _watch_mean_batch_size(self, examples: int, local_expected: float) -> None:
-        """Warn once if the mean batch size is far from ``expected_batch_size``.
-
-        The divisor B only scales the update, so privacy holds either way, but a B far from
-        the real mean batch size (a wrong sample_rate or dataset_size) makes the update too
-        small or too large and suggests the accounting uses the wrong rate. Under Poisson
-        sampling the mean of k batch sizes has standard deviation below sqrt(B / k): the
-        bound below (5 of those plus 5%) is practically never crossed by chance.
-        """
-        watch = self._mean_watch
-        if watch.warned:
-            return
-        if watch.expected != local_expected:
-            watch = self._mean_watch = _MeanWatch(local_expected)
-        watch.steps, watch.examples = watch.steps + 1, watch.examples + examples
-        expected, steps, mean = watch.expected, watch.steps, watch.examples / watch.steps
-        if steps >= 50 and abs(mean - expected) > 5 * math.sqrt(expected / steps) + 0.05 * expected:
-            watch.warned = True
-            warnings.warn(
-                f"expected_batch_size is {expected:g} (per process) but the last {steps} batches held "
-                f"{mean:.1f} examples on average: check sample_rate and dataset_size (with "
-                "dpoptim.data.poisson_loader, pass **dpoptim.data.privacy_kwargs(loader)).",
-                PrivacyWarning,
-                stacklevel=_caller_stacklevel(),
-            )
-
-    # ----------------------------------------------------------------- accounting
-    def _record(self, sigma: float, q: float) -> None:
-        """One more step at ``(sigma, q)``. ``Ledger.compose`` validates its arguments and
-        copies the runs, more than a step's book-keeping should cost: steps of the same
-        setting are counted here and composed once, when the ledger is read."""
-        latest_sigma, latest_q, count = self._latest
-        if count and (latest_sigma, latest_q) != (sigma, q):
-            self._composed = self._ledger
-            count = 0
-        self._latest = (sigma, q, count + 1)
-
-    @property
-    def _ledger(self):
-        """The privacy ledger (a :class:`dpoptim.accounting.Ledger`) of every step taken."""
-        sigma, q, count = self._latest
-        if count:
-            self._composed, self._latest = self._composed.compose(sigma, q, count), (None, None, 0)
-        return self._composed
-
-    @_ledger.setter
-    def _ledger(self, ledger) -> None:
-        """A Ledger, or runs ``(sigma, q, count)`` to build one from (validated)."""
-        kind = type(self._composed)
-        self._composed = ledger if isinstance(ledger, kind) else kind(ledger)
-        self._latest = (None, None, 0)
-
-    @property
-    def ledger(self) -> tuple[tuple[float, float, int], ...]:
-        """The steps taken, as runs ``(noise_multiplier, sample_rate, count)`` (plain tuples:
-        they load with ``torch.load(weights_only=True)``), consecutive identical steps merged."""
-        return tuple(tuple(run) for run in self._ledger.runs)
-
-    @property
-    def steps_taken(self) -> int:
-        return self._ledger.steps
-
-    def privacy_spent(self, delta: float | None = None, accountant: str | None = None) -> PrivacySpent:
-        """``(epsilon, delta)`` spent so far: the Poisson-subsampled Gaussian mechanism
-        composed over the ledger. ``delta`` defaults to the constructor's."""
-        delta = self.delta if delta is None else float(delta)
-        if self.dataset_size is not None and delta >= 1 / self.dataset_size:
-            warnings.warn(
-                f"delta={delta} is not below 1/dataset_size={1 / self.dataset_size:.3g}",
-                PrivacyWarning,
-                stacklevel=2,
-            )
-        from . import accounting
-
-        eps = accounting.epsilon_of_ledger(self.ledger, delta, accountant=accountant or self.accountant)
-        return PrivacySpent(float(eps), delta)
-
-    def _check_budget(self, sigma: float, q: float) -> None:
-        """Raise before a step that would exceed ``max_epsilon``. The number of steps the
-        budget allows at (sigma, q) is computed once per change of settings, not per step."""
-        if self.max_epsilon is None:
-            return
-        key = (sigma, q, self.delta, self.max_epsilon, self.accountant)
-        if self._budget_cache is None or self._budget_cache[0] != key:
-            from . import accounting
-
-            allowed = accounting.max_steps(
-                sigma, q, self.delta, self.max_epsilon, ledger=self.ledger, accountant=self.accountant
-            )
-            self._budget_cache = (key, self.steps_taken + allowed)
-        if self.steps_taken >= self._budget_cache[1]:
-            raise PrivacyBudgetExceeded(
-                f"one more step at noise_multiplier={sigma}, sample_rate={q} would spend more than "
-                f"max_epsilon={self.max_epsilon} at delta={self.delta} "
-                f"(spent so far over {self.steps_taken} steps: {self.privacy_spent().epsilon:.4g})"
-            )
-
-    # ----------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict:
-        state = super().state_dict()
-        state["dpoptim"] = {
-            "ledger": [list(run) for run in self._ledger.runs],
-            "steps_taken": self.steps_taken,
-            "expected_batch_size": self.expected_batch_size,
-            "sample_rate": self.sample_rate,
-            "max_epsilon": self.max_epsilon,
-            "delta": self.delta,
-            # Only a generator the user chose is saved: restoring a default one would let
-            # anyone holding the checkpoint predict the noise of later steps.
-            "generator": None if self._user_generator is None else self._user_generator.get_state(),
-        }
-        return state
-
-    def load_state_dict(self, state_dict: dict, *, ledger: str | None = None) -> None:
-        """Resume from :meth:`state_dict`, never lowering the privacy charged.
-
-        The torch state (moments, step counts, the parameter groups with their
-        ``noise_multiplier`` and ``max_grad_norm``) and a saved user generator come from the
-        checkpoint. ``sample_rate``, ``expected_batch_size``, ``delta`` and ``max_epsilon``
-        stay the constructor's, which describe how this run samples and what it may spend;
-        a :class:`PrivacyWarning` names any the checkpoint had otherwise.
-
-        The ledger: the checkpoint's when it continues this optimizer's (a fresh optimizer
-        resuming), this optimizer's when it already contains the checkpoint's (rolling back
-        to an earlier checkpoint of this run: the steps since were taken and stay charged).
-        Ledgers that neither contains are refused unless ``ledger`` says what to do:
-        ``'both'`` charges both (a sound upper bound), ``'checkpoint'`` replaces this
-        optimizer's steps by the checkpoint's (only if nothing computed in those steps is
-        ever released).
-        """
-        if ledger not in (None, "both", "checkpoint"):
-            raise ValueError(f"ledger must be None, 'both' or 'checkpoint', got {ledger!r}")
-        state_dict = dict(state_dict)
-        dp = state_dict.pop("dpoptim", None)
-        if dp is None:
-            raise ValueError(
-                "this state_dict has no 'dpoptim' entry (privacy ledger): it was not saved by a "
-                "dpoptim optimizer, and resuming from it would under-report epsilon"
-            )
-        try:
-            saved = type(self._ledger)(dp["ledger"])
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"this state_dict's privacy ledger is corrupted: {exc}") from None
-        if "steps_taken" in dp and dp["steps_taken"] != saved.steps:
-            raise ValueError("this state_dict's privacy ledger does not add up to its step count: it is corrupted")
-        merged = _merge_ledgers(self._ledger, saved, ledger)
-        super().load_state_dict(state_dict)
-        self._ledger = merged
-        self._budget_cache = None
-        differ = [
-            f"{name}={dp[name]} in the checkpoint, {getattr(self, name)} now"
-            for name in ("sample_rate", "expected_batch_size", "delta", "max_epsilon")
-            if name in dp and dp[name] != getattr(self, name)
-        ]
-        if differ:
-            warnings.warn(
-                "resuming with the constructor's privacy settings, not the checkpoint's ("
-                + "; ".join(differ) + "): steps already taken stay charged at the rate they were taken "
-                "with. Pass the checkpoint's values to the constructor to keep them.",
-                PrivacyWarning,
-                stacklevel=2,
-            )
-        if dp.get("generator") is not None and self._user_generator is not None:
-            self._user_generator.set_state(dp["generator"])
-
-
-def _merge_ledgers(current, saved, how: str | None):
-    """The ledger after loading ``saved`` into an optimizer holding ``current`` (both
-    :class:`dpoptim.accounting.Ledger`; see :meth:`DPOptimizerMixin.load_state_dict`)."""
-    if how == "checkpoint" or _starts_with(saved, current):
-        return saved
-    if _starts_with(current, saved):
-        return current
-    if how == "both":
-        return type(current)(current.runs + saved.runs)
-    raise ValueError(
-        f"this optimizer has taken {current.steps} steps that the checkpoint's ledger "
-        f"({saved.steps} steps) does not contain, and loading it would lower the privacy "
-        "charged. Load checkpoints into a freshly built optimizer, or pass ledger='both' to "
-        "charge both histories (ledger='checkpoint' replaces this optimizer's steps: only if "
-        "nothing computed in them is ever released)."
-    )
-
-
-def _starts_with(ledger, prefix) -> bool:
-    """Whether the steps of ``ledger`` begin with the steps of ``prefix`` (both ledgers:
-    adjacent identical runs merged, empty runs dropped)."""
-    a, b = ledger.runs, prefix.runs
-    if not b:
-        return True
-    if len(b) > len(a) or a[: len(b) - 1] != b[:-1]:
-        return False
-    last, there = b[-1], a[len(b) - 1]
-    return last[:2] == there[:2] and last.count <= there.count
 
 
 # Optimizers that cannot take a privatised gradient: why, and what to use instead.
@@ -703,33 +463,6 @@ def _check_optimizer_class(cls: type) -> None:
     for unsupported, why in _UNSUPPORTED.items():
         if issubclass(cls, unsupported):
             raise TypeError(f"dpoptim cannot make {unsupported.__name__} private: it {why}.")
-
-
-def _caller_stacklevel() -> int:
-    """The ``stacklevel`` of the first frame outside dpoptim and torch (the user's step() call,
-    however many wrappers torch and LR schedulers put around it)."""
-    skip = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _check_grad_scaler(scaler) -> None:
-    if scaler is None:
-        return
-    if not all(hasattr(scaler, name) for name in ("scale", "get_scale", "is_enabled", "update")):
-        raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
-    if scaler.is_enabled() and scaler.get_growth_interval() < 2**31 - 1:
-        warnings.warn(
-            f"this GradScaler multiplies its scale by {scaler.get_growth_factor()} every "
-            f"{scaler.get_growth_interval()} steps and, under "
-            "dpoptim, never backs off (backing off on overflow would make the scale depend on the "
-            "data): after enough steps every example overflows and is dropped. Use a fixed scale: "
-            "GradScaler(init_scale=2.0**12, growth_interval=2**31 - 1).",
-            UserWarning,
-            stacklevel=3,
-        )
 
 
 _CACHE: dict[type, type] = {}

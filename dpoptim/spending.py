@@ -1,0 +1,189 @@
+"""The privacy a DP optimizer has spent: its ledger of steps, ``privacy_spent()``, the
+budget stop (``max_epsilon``) and checkpoints that carry the ledger and never lower it."""
+
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple
+
+from .errors import PrivacyBudgetExceeded, PrivacyWarning
+
+__all__ = ["PrivacySpent", "SpendingMixin"]
+
+
+class PrivacySpent(NamedTuple):
+    epsilon: float
+    delta: float
+
+
+class SpendingMixin:
+    """Ledger, accounting and checkpoints of a DP optimizer. The optimizer sets
+    ``self._composed`` (a :class:`dpoptim.accounting.Ledger`), ``self._latest``,
+    ``self._budget_cache`` and its privacy settings."""
+
+    def _record(self, sigma: float, q: float) -> None:
+        """One more step at ``(sigma, q)``. ``Ledger.compose`` validates its arguments and
+        copies the runs, more than a step's book-keeping should cost: steps of the same
+        setting are counted here and composed once, when the ledger is read."""
+        latest_sigma, latest_q, count = self._latest
+        if count and (latest_sigma, latest_q) != (sigma, q):
+            self._composed = self._ledger
+            count = 0
+        self._latest = (sigma, q, count + 1)
+
+    @property
+    def _ledger(self):
+        """The privacy ledger (a :class:`dpoptim.accounting.Ledger`) of every step taken."""
+        sigma, q, count = self._latest
+        if count:
+            self._composed, self._latest = self._composed.compose(sigma, q, count), (None, None, 0)
+        return self._composed
+
+    @_ledger.setter
+    def _ledger(self, ledger) -> None:
+        """A Ledger, or runs ``(sigma, q, count)`` to build one from (validated)."""
+        kind = type(self._composed)
+        self._composed = ledger if isinstance(ledger, kind) else kind(ledger)
+        self._latest = (None, None, 0)
+
+    @property
+    def ledger(self) -> tuple[tuple[float, float, int], ...]:
+        """The steps taken, as runs ``(noise_multiplier, sample_rate, count)`` (plain tuples:
+        they load with ``torch.load(weights_only=True)``), consecutive identical steps merged."""
+        return tuple(tuple(run) for run in self._ledger.runs)
+
+    @property
+    def steps_taken(self) -> int:
+        return self._ledger.steps
+
+    def privacy_spent(self, delta: float | None = None, accountant: str | None = None) -> PrivacySpent:
+        """``(epsilon, delta)`` spent so far: the Poisson-subsampled Gaussian mechanism
+        composed over the ledger. ``delta`` defaults to the constructor's."""
+        delta = self.delta if delta is None else float(delta)
+        if self.dataset_size is not None and delta >= 1 / self.dataset_size:
+            warnings.warn(
+                f"delta={delta} is not below 1/dataset_size={1 / self.dataset_size:.3g}",
+                PrivacyWarning,
+                stacklevel=2,
+            )
+        from . import accounting
+
+        eps = accounting.epsilon_of_ledger(self.ledger, delta, accountant=accountant or self.accountant)
+        return PrivacySpent(float(eps), delta)
+
+    def _check_budget(self, sigma: float, q: float) -> None:
+        """Raise before a step that would exceed ``max_epsilon``. The number of steps the
+        budget allows at (sigma, q) is computed once per change of settings, not per step."""
+        if self.max_epsilon is None:
+            return
+        key = (sigma, q, self.delta, self.max_epsilon, self.accountant)
+        if self._budget_cache is None or self._budget_cache[0] != key:
+            from . import accounting
+
+            allowed = accounting.max_steps(
+                sigma, q, self.delta, self.max_epsilon, ledger=self.ledger, accountant=self.accountant
+            )
+            self._budget_cache = (key, self.steps_taken + allowed)
+        if self.steps_taken >= self._budget_cache[1]:
+            raise PrivacyBudgetExceeded(
+                f"one more step at noise_multiplier={sigma}, sample_rate={q} would spend more than "
+                f"max_epsilon={self.max_epsilon} at delta={self.delta} "
+                f"(spent so far over {self.steps_taken} steps: {self.privacy_spent().epsilon:.4g})"
+            )
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["dpoptim"] = {
+            "ledger": [list(run) for run in self._ledger.runs],
+            "steps_taken": self.steps_taken,
+            "expected_batch_size": self.expected_batch_size,
+            "sample_rate": self.sample_rate,
+            "max_epsilon": self.max_epsilon,
+            "delta": self.delta,
+            # Only a generator the user chose is saved: restoring a default one would let
+            # anyone holding the checkpoint predict the noise of later steps.
+            "generator": None if self._user_generator is None else self._user_generator.get_state(),
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict, *, ledger: str | None = None) -> None:
+        """Resume from :meth:`state_dict`, never lowering the privacy charged.
+
+        The torch state (moments, step counts, the parameter groups with their
+        ``noise_multiplier`` and ``max_grad_norm``) and a saved user generator come from the
+        checkpoint. ``sample_rate``, ``expected_batch_size``, ``delta`` and ``max_epsilon``
+        stay the constructor's, which describe how this run samples and what it may spend;
+        a :class:`PrivacyWarning` names any the checkpoint had otherwise.
+
+        The ledger: the checkpoint's when it continues this optimizer's (a fresh optimizer
+        resuming), this optimizer's when it already contains the checkpoint's (rolling back
+        to an earlier checkpoint of this run: the steps since were taken and stay charged).
+        Ledgers that neither contains are refused unless ``ledger`` says what to do:
+        ``'both'`` charges both (a sound upper bound), ``'checkpoint'`` replaces this
+        optimizer's steps by the checkpoint's (only if nothing computed in those steps is
+        ever released).
+        """
+        if ledger not in (None, "both", "checkpoint"):
+            raise ValueError(f"ledger must be None, 'both' or 'checkpoint', got {ledger!r}")
+        state_dict = dict(state_dict)
+        dp = state_dict.pop("dpoptim", None)
+        if dp is None:
+            raise ValueError(
+                "this state_dict has no 'dpoptim' entry (privacy ledger): it was not saved by a "
+                "dpoptim optimizer, and resuming from it would under-report epsilon"
+            )
+        try:
+            saved = type(self._ledger)(dp["ledger"])
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"this state_dict's privacy ledger is corrupted: {exc}") from None
+        if "steps_taken" in dp and dp["steps_taken"] != saved.steps:
+            raise ValueError("this state_dict's privacy ledger does not add up to its step count: it is corrupted")
+        merged = _merge_ledgers(self._ledger, saved, ledger)
+        super().load_state_dict(state_dict)
+        self._ledger = merged
+        self._budget_cache = None
+        differ = [
+            f"{name}={dp[name]} in the checkpoint, {getattr(self, name)} now"
+            for name in ("sample_rate", "expected_batch_size", "delta", "max_epsilon")
+            if name in dp and dp[name] != getattr(self, name)
+        ]
+        if differ:
+            warnings.warn(
+                "resuming with the constructor's privacy settings, not the checkpoint's ("
+                + "; ".join(differ) + "): steps already taken stay charged at the rate they were taken "
+                "with. Pass the checkpoint's values to the constructor to keep them.",
+                PrivacyWarning,
+                stacklevel=2,
+            )
+        if dp.get("generator") is not None and self._user_generator is not None:
+            self._user_generator.set_state(dp["generator"])
+
+
+def _merge_ledgers(current, saved, how: str | None):
+    """The ledger after loading ``saved`` into an optimizer holding ``current`` (both
+    :class:`dpoptim.accounting.Ledger`; see :meth:`DPOptimizerMixin.load_state_dict`)."""
+    if how == "checkpoint" or _starts_with(saved, current):
+        return saved
+    if _starts_with(current, saved):
+        return current
+    if how == "both":
+        return type(current)(current.runs + saved.runs)
+    raise ValueError(
+        f"this optimizer has taken {current.steps} steps that the checkpoint's ledger "
+        f"({saved.steps} steps) does not contain, and loading it would lower the privacy "
+        "charged. Load checkpoints into a freshly built optimizer, or pass ledger='both' to "
+        "charge both histories (ledger='checkpoint' replaces this optimizer's steps: only if "
+        "nothing computed in them is ever released)."
+    )
+
+
+def _starts_with(ledger, prefix) -> bool:
+    """Whether the steps of ``ledger`` begin with the steps of ``prefix`` (both ledgers:
+    adjacent identical runs merged, empty runs dropped)."""
+    a, b = ledger.runs, prefix.runs
+    if not b:
+        return True
+    if len(b) > len(a) or a[: len(b) - 1] != b[:-1]:
+        return False
+    last, there = b[-1], a[len(b) - 1]
+    return last[:2] == there[:2] and last.count <= there.count
