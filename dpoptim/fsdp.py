@@ -32,6 +32,8 @@ engine maps each unsharded parameter to its sharded one (:func:`sharded_slots`) 
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -47,11 +49,18 @@ def _tensor_api():
     return tensor
 
 
+def _loaded_class(module_name: str, name: str):
+    """``module_name.name`` if that module has been imported (by the user's FSDP code), else
+    None: nothing can be an instance of a class that was never imported, and these checks
+    run for every module call and every parameter, so they neither import nor pay for it."""
+    module = sys.modules.get(module_name)
+    return None if module is None else getattr(module, name, None)
+
+
 def is_sharded(p: torch.Tensor) -> bool:
     """Whether ``p`` is a DTensor (a parameter sharded by FSDP2 or another DTensor user)."""
-    if not (torch.distributed.is_available() and hasattr(torch.distributed, "tensor")):
-        return False
-    return isinstance(p, _tensor_api().DTensor)
+    cls = _loaded_class("torch.distributed.tensor", "DTensor")
+    return cls is not None and isinstance(p, cls)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -61,13 +70,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def is_fsdp_module(module: nn.Module) -> bool:
     """Whether ``fully_shard`` was applied to ``module`` (it then subclasses ``FSDPModule``)."""
-    if not torch.distributed.is_available():
-        return False
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch builds without FSDP2
-        return False
-    return isinstance(module, FSDPModule)
+    cls = _loaded_class("torch.distributed.fsdp", "FSDPModule")
+    return cls is not None and isinstance(module, cls)
 
 
 def sharded_slots(module: nn.Module, owned) -> list[tuple[nn.Module, str, torch.Tensor]]:
