@@ -113,6 +113,8 @@ def _worker(rank, rounds, batch, out):
             }
             with open(os.path.join(out, "result.json"), "w") as f:
                 json.dump(result, f)
+        built.clear()  # the DDP reducers hold the group: let them go while it is alive
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
