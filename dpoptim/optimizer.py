@@ -28,135 +28,22 @@ the training loops.
 from __future__ import annotations
 
 import math
-import warnings
 import weakref
-from typing import NamedTuple
 
 import torch
 
 from . import _torch, distributed, fsdp, validate
-from .amp import MixedPrecisionMixin, check_grad_scaler
-from .data import batches_per_epoch
+from .amp import MixedPrecisionMixin
 from .engine import GradEngine
-from .errors import PrivacyWarning
-from .privatize import add_noise_, fresh_generator
+from .noise import NoiseMixin
+from .settings import HyperparameterMixin, resolve_settings
 from .spending import PrivacySpent, SpendingMixin
 from .watches import BatchSizeWatchMixin
 
 __all__ = ["DPOptimizerMixin", "make_private", "DPSGD", "DPAdam", "DPRMSProp", "PrivacySpent"]
 
-_LOSS_REDUCTIONS = ("mean", "sum")
-_DEFAULT_DELTA = 1e-5
 
-
-def _check_noise_multiplier(value) -> float:
-    # inf would mean "reveals nothing" to the accounting, but a step cannot draw it.
-    return validate.noise_multiplier(value, finite=True)
-
-
-def _check_max_grad_norm(value) -> float:
-    return validate.max_grad_norm(value)
-
-
-def _check_sample_rate(value) -> float:
-    return validate.sample_rate(value)
-
-
-class _Settings(NamedTuple):
-    noise_multiplier: float
-    max_grad_norm: float
-    expected_batch_size: float
-    sample_rate: float
-    delta: float
-    max_epsilon: float | None
-
-
-def _resolve_settings(*, noise_multiplier, max_grad_norm, expected_batch_size, sample_rate, dataset_size,
-                      loss_reduction, generator, delta, accountant, max_epsilon, target_epsilon, steps, epochs,
-                      grad_scaler, secure_mode) -> _Settings:
-    """The constructor's privacy settings, checked, with what is derived from them (q from
-    B and the dataset size, B from q, σ calibrated for a target ε). Warnings point at the
-    optimizer's construction (stacklevel 4: the caller of ``__init__``)."""
-    if loss_reduction not in _LOSS_REDUCTIONS:
-        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-    max_grad_norm = _check_max_grad_norm(max_grad_norm)
-    expected_batch_size, sample_rate = _resolve_sampling(expected_batch_size, sample_rate, dataset_size)
-    if accountant not in ("pld", "rdp"):
-        raise ValueError(f"accountant must be 'pld' or 'rdp', got {accountant!r}")
-    if delta is None:
-        delta = _DEFAULT_DELTA
-    if not 0 < delta < 1:
-        raise ValueError(f"delta must be in (0, 1), got {delta}")
-    if dataset_size is not None and delta >= 1 / dataset_size:
-        warnings.warn(
-            f"delta={delta} is not below 1/dataset_size={1 / dataset_size:.3g}: a mechanism that "
-            "publishes one example outright meets such a delta. Use delta < 1/dataset_size.",
-            PrivacyWarning,
-            stacklevel=4,
-        )
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-    if secure_mode and generator is not None:
-        raise ValueError(
-            "secure_mode=True reseeds the noise from the operating system at every step and "
-            "cannot use a given generator: pass generator=None (or secure_mode=False for "
-            "reproducible noise)"
-        )
-    check_grad_scaler(grad_scaler, stacklevel=5)
-    noise_multiplier, max_epsilon = _resolve_noise(noise_multiplier, target_epsilon, steps, epochs, max_epsilon,
-                                                   delta, sample_rate, accountant)
-    return _Settings(noise_multiplier, max_grad_norm, expected_batch_size, sample_rate, float(delta), max_epsilon)
-
-
-def _resolve_sampling(expected_batch_size, sample_rate, dataset_size) -> tuple[float, float]:
-    """``(B, q)``, each given or derived from the other and the dataset size."""
-    if dataset_size is not None and not (int(dataset_size) == dataset_size and dataset_size >= 1):
-        raise ValueError(f"dataset_size must be a positive integer, got {dataset_size}")
-    if sample_rate is None and dataset_size is not None and expected_batch_size is not None:
-        sample_rate = float(expected_batch_size) / dataset_size
-    if sample_rate is None:
-        raise ValueError(
-            "sample_rate is needed for privacy accounting: pass sample_rate=q (the probability "
-            "that an example is in a batch), or dataset_size together with expected_batch_size"
-        )
-    sample_rate = _check_sample_rate(sample_rate)
-    if expected_batch_size is None:
-        if dataset_size is None:
-            raise ValueError(
-                "expected_batch_size is needed: pass it (the mean batch size, e.g. "
-                "sample_rate * len(dataset)) or pass dataset_size so it can be derived"
-            )
-        expected_batch_size = sample_rate * dataset_size
-    expected_batch_size = float(expected_batch_size)
-    if not (expected_batch_size > 0 and math.isfinite(expected_batch_size)):
-        raise ValueError(f"expected_batch_size must be a finite number > 0, got {expected_batch_size}")
-    return expected_batch_size, sample_rate
-
-
-def _resolve_noise(noise_multiplier, target_epsilon, steps, epochs, max_epsilon, delta, sample_rate,
-                   accountant) -> tuple[float, float | None]:
-    """``(σ, max_epsilon)``: σ given, or calibrated so that the run spends ``target_epsilon``
-    (which is then the default budget)."""
-    if noise_multiplier is None:
-        if target_epsilon is None:
-            raise ValueError("noise_multiplier is required (or pass target_epsilon with steps or epochs)")
-        if (steps is None) == (epochs is None):
-            raise ValueError("with target_epsilon, pass exactly one of steps or epochs")
-        total = int(steps) if steps is not None else math.ceil(float(epochs) * batches_per_epoch(sample_rate))
-        from . import accounting  # scipy is imported only when accounting is used
-
-        noise_multiplier = accounting.calibrate_noise(target_epsilon, delta, sample_rate, total, accountant=accountant)
-        if max_epsilon is None:
-            max_epsilon = float(target_epsilon)
-    elif target_epsilon is not None:
-        raise ValueError("pass either noise_multiplier or target_epsilon, not both")
-    noise_multiplier = _check_noise_multiplier(noise_multiplier)
-    if max_epsilon is not None and not max_epsilon > 0:
-        raise ValueError(f"max_epsilon must be > 0, got {max_epsilon}")
-    return noise_multiplier, None if max_epsilon is None else float(max_epsilon)
-
-
-class DPOptimizerMixin(SpendingMixin, BatchSizeWatchMixin, MixedPrecisionMixin):
+class DPOptimizerMixin(HyperparameterMixin, NoiseMixin, SpendingMixin, BatchSizeWatchMixin, MixedPrecisionMixin):
     """Makes the torch optimizer after it in the MRO differentially private.
 
     Keyword-only arguments (everything else goes to the torch optimizer unchanged):
@@ -230,7 +117,7 @@ class DPOptimizerMixin(SpendingMixin, BatchSizeWatchMixin, MixedPrecisionMixin):
         **kwargs,
     ):
         _check_optimizer_class(type(self))
-        settings = _resolve_settings(
+        settings = resolve_settings(
             noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, expected_batch_size=expected_batch_size,
             sample_rate=sample_rate, dataset_size=dataset_size, loss_reduction=loss_reduction, generator=generator,
             delta=delta, accountant=accountant, max_epsilon=max_epsilon, target_epsilon=target_epsilon, steps=steps,
@@ -252,11 +139,9 @@ class DPOptimizerMixin(SpendingMixin, BatchSizeWatchMixin, MixedPrecisionMixin):
         self.delta = settings.delta
         self.accountant = accountant
         self.max_epsilon = settings.max_epsilon
-        self._user_generator = generator
+        self._init_noise(generator, secure_mode)
         self._written: dict[int, weakref.ref] = {}  # id(param) -> the .grad the last step() wrote
         self._checked_layouts: set[int] = set()  # FSDP2 parameters whose sharding was checked
-        self.secure_mode = bool(secure_mode)
-        self._generators: dict[torch.device, torch.Generator] = {}
         from .accounting.ledger import Ledger  # scipy is imported with accounting: not at import dpoptim
 
         self._composed = Ledger()  # the steps taken, as runs (sigma, q, count), but for the latest run:
@@ -274,49 +159,10 @@ class DPOptimizerMixin(SpendingMixin, BatchSizeWatchMixin, MixedPrecisionMixin):
             group.setdefault("max_grad_norm", self.defaults["max_grad_norm"])
         self._engine.add_params(group["params"], group.get("param_names"))
 
-    def _group_value(self, key: str, check) -> float:
-        values = {float(group[key]) for group in self.param_groups}
-        if len(values) != 1:
-            raise ValueError(
-                f"{key} differs between parameter groups ({sorted(values)}): DP-SGD clips and noises "
-                "all parameters together, so every group must use the same value"
-            )
-        return check(values.pop())
-
-    @property
-    def noise_multiplier(self) -> float:
-        return self._group_value("noise_multiplier", _check_noise_multiplier)
-
-    @noise_multiplier.setter
-    def noise_multiplier(self, value: float) -> None:
-        value = _check_noise_multiplier(value)
-        for group in self.param_groups:
-            group["noise_multiplier"] = value
-
-    @property
-    def max_grad_norm(self) -> float:
-        return self._group_value("max_grad_norm", _check_max_grad_norm)
-
-    @max_grad_norm.setter
-    def max_grad_norm(self, value: float) -> None:
-        value = _check_max_grad_norm(value)
-        for group in self.param_groups:
-            group["max_grad_norm"] = value
-
     # ----------------------------------------------------------------- the step
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self._engine.reset()
-
-    def _generator_for(self, device: torch.device) -> torch.Generator:
-        if self._user_generator is not None:
-            return self._user_generator
-        if self.secure_mode:
-            return fresh_generator(device)  # a new seed from the OS at every step
-        generator = self._generators.get(device)
-        if generator is None:
-            generator = self._generators[device] = fresh_generator(device)
-        return generator
 
     # torch.amp.GradScaler then hands step() to us instead of skipping it on overflow.
     _step_supports_amp_scaling = True
@@ -347,35 +193,19 @@ class DPOptimizerMixin(SpendingMixin, BatchSizeWatchMixin, MixedPrecisionMixin):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        sigma = self.noise_multiplier
-        bound = self.max_grad_norm
-        q = _check_sample_rate(self.sample_rate)
-        batch = float(self.expected_batch_size)
-        if not (batch > 0 and math.isfinite(batch)):
-            raise ValueError(f"expected_batch_size must be a finite number > 0, got {batch}")
+        sigma, bound, q, batch = self._step_settings()
         self._check_budget(sigma, q)
         loss_scale = self._loss_scale()
         sums = self._engine.clipped_sums()  # in loss-scaled units; raises if C changed since backward
         examples = self._engine.examples
         process_group = distributed.resolve_group(self._process_group)
         rank, world = distributed.rank_and_size(process_group)
-
-        by_device: dict[torch.device, list] = {}
-        sharded = []
-        for p in self._updated_params(sums):
-            s = sums.get(id(p))
-            if fsdp.is_sharded(p):
-                sharded.append((p, s))
-                continue
-            if s is None:
-                s = torch.zeros_like(p, memory_format=torch.preserve_format)
-            by_device.setdefault(p.device, []).append((p, s))
+        by_device, sharded = self._sums_to_write(sums)
         grads = [s for pairs in by_device.values() for _, s in pairs]
         if loss_scale != 1.0 and grads:
             _torch.foreach_div_(grads, loss_scale)
         if rank == 0:  # the noise enters once, before the sum over ranks
-            for device, pairs in by_device.items():
-                add_noise_([s for _, s in pairs], sigma, bound, self._generator_for(device), self.secure_mode)
+            self._add_noise(by_device, sigma, bound)
         if process_group is not None:
             settings = {"noise_multiplier": sigma, "max_grad_norm": bound, "sample_rate": q,
                         "expected_batch_size": batch}
@@ -395,6 +225,30 @@ class DPOptimizerMixin(SpendingMixin, BatchSizeWatchMixin, MixedPrecisionMixin):
         self._watch_mean_batch_size(examples, batch / world)
         return loss
 
+    def _step_settings(self) -> tuple[float, float, float, float]:
+        """``(sigma, C, q, B)`` in force, checked (they are attributes a user may set)."""
+        q = validate.sample_rate(self.sample_rate)
+        batch = float(self.expected_batch_size)
+        if not (batch > 0 and math.isfinite(batch)):
+            raise ValueError(f"expected_batch_size must be a finite number > 0, got {batch}")
+        return self.noise_multiplier, self.max_grad_norm, q, batch
+
+    def _sums_to_write(self, sums: dict) -> tuple[dict, list]:
+        """The ``(parameter, clipped sum)`` pairs this step writes, by device in the order
+        of the parameter groups (a zero sum for a parameter no example reached), and the
+        FSDP2-sharded ones apart."""
+        by_device: dict[torch.device, list] = {}
+        sharded = []
+        for p in self._updated_params(sums):
+            s = sums.get(id(p))
+            if fsdp.is_sharded(p):
+                sharded.append((p, s))
+                continue
+            if s is None:
+                s = torch.zeros_like(p, memory_format=torch.preserve_format)
+            by_device.setdefault(p.device, []).append((p, s))
+        return by_device, sharded
+
     def _sharded_step(self, pairs, process_group, loss_scale, sigma, bound, batch) -> None:
         """The step of FSDP2's sharded parameters (see :mod:`dpoptim.fsdp`): the engine
         holds this rank's shard of the clipped sums over all ranks (reduce-scattered at the
@@ -406,15 +260,7 @@ class DPOptimizerMixin(SpendingMixin, BatchSizeWatchMixin, MixedPrecisionMixin):
             local = torch.zeros_like(p.to_local()) if s is None else s
             if loss_scale != 1.0:
                 local.div_(loss_scale)
-            generator = self._generator_for(local.device)
-            if self._user_generator is not None:
-                # Every rank draws the whole vector and keeps its slice: the noise of an
-                # unsharded run with this generator, one independent draw per coordinate.
-                noise = add_noise_([torch.zeros(p.shape, dtype=local.dtype, device=local.device)],
-                                   sigma, bound, generator, self.secure_mode)[0]
-                local.add_(fsdp.local_slice(noise, p))
-            else:  # each rank's own generator, seeded by the operating system
-                add_noise_([local], sigma, bound, generator, self.secure_mode)
+            self._add_shard_noise(local, p, sigma, bound)
             local.div_(batch)
             g = fsdp.as_grad(local, p)
             p.grad = g

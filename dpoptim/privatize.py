@@ -26,7 +26,7 @@ import torch
 
 from ._torch import set_cpu_generator_words
 
-__all__ = ["clip_factors", "add_noise_", "fresh_generator"]
+__all__ = ["clip_factors", "add_noise_", "standard_normal", "fresh_generator"]
 
 _MT_WORDS = 624  # 32-bit words of Mersenne Twister state
 
@@ -63,15 +63,20 @@ def add_noise_(
     std = noise_multiplier * max_grad_norm
     if std > 0:
         for s in clipped_sums:
-            dtype = torch.promote_types(s.dtype, torch.float32)
-            draw = lambda: torch.randn(s.shape, generator=generator, device=generator.device, dtype=dtype)  # noqa: E731
-            z = draw()
-            if secure:
-                for _ in range(3):
-                    z.add_(draw())
-                z.mul_(0.5)
+            z = standard_normal(s.shape, torch.promote_types(s.dtype, torch.float32), generator, secure)
             s.add_(z.to(s.device, non_blocking=True), alpha=std)
     return clipped_sums
+
+
+def standard_normal(shape, dtype: torch.dtype, generator: torch.Generator, secure: bool = False) -> torch.Tensor:
+    """Independent N(0, 1) numbers of ``shape`` on the generator's device: one draw, or with
+    ``secure`` the sum of four halved (see :func:`add_noise_`)."""
+    z = torch.randn(shape, generator=generator, device=generator.device, dtype=dtype)
+    if secure:
+        for _ in range(3):
+            z.add_(torch.randn(shape, generator=generator, device=generator.device, dtype=dtype))
+        z.mul_(0.5)
+    return z
 
 
 def fresh_generator(device: torch.device | str = "cpu") -> torch.Generator:
