@@ -13,6 +13,7 @@ here are pure; :class:`ClippingMixin` holds the engine's steps that apply them t
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 import weakref
 
@@ -132,6 +133,12 @@ def _term_inner(x, y, dtype) -> torch.Tensor:
     return (outer * torch.bmm(ix, iy.transpose(1, 2))).sum((1, 2))
 
 
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` is finite: one reduction when its sum is finite (a
+    sum with a non-finite term is not), the elementwise test only when the sum is not."""
+    return math.isfinite(t.sum()) or bool(torch.isfinite(t).all())
+
+
 def _wide(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
@@ -143,11 +150,14 @@ def _add_into(sums, p, value):
 
 
 class _no_autocast:
-    """Rules run with autocast off: norms and factors in float32 or wider."""
+    """Rules run with autocast off: norms and factors in float32 or wider. Nothing to do
+    when it is off already (a backward outside any autocast region, the usual case)."""
 
     def __enter__(self):
-        self._contexts = [torch.autocast("cpu", enabled=False)]
-        if torch.cuda.is_available():
+        self._contexts = []
+        if torch.is_autocast_enabled("cpu"):
+            self._contexts.append(torch.autocast("cpu", enabled=False))
+        if torch.cuda.is_available() and torch.is_autocast_enabled("cuda"):
             self._contexts.append(torch.autocast("cuda", enabled=False))
         for c in self._contexts:
             c.__enter__()
@@ -220,7 +230,7 @@ class ClippingMixin:
         total = total * (scale * scale)
         bound = float(self._max_grad_norm())
         weights = clip_factors(total, bound) * scale
-        if n and not bool(torch.isfinite(total).all()):
+        if n and not _all_finite(total):
             uses, shared = _drop_non_finite(total, uses, shared)
         self._add_clipped(group, uses, shared, weights.to(total.dtype), summed, stream)
         if self._verify:
@@ -294,7 +304,8 @@ class ClippingMixin:
         grads = [(pid, fsdp.local(g)) for pid, g in grads]  # an FSDP2 gradient: this rank's shard
         if not grads:
             return
-        nonzero = torch.stack([g.ne(0).any().to(grads[0][1].device) for _, g in grads]).tolist()
+        device = grads[0][1].device
+        nonzero = torch.stack([g.any() if g.device == device else g.any().to(device) for _, g in grads]).tolist()
         for (pid, g), keep in zip(grads, nonzero):
             if keep:
                 self._marks[pid] = (weakref.ref(g), _torch.version_counter(g))

@@ -11,11 +11,13 @@ mode's four-draw sum). Two kinds of generator, drawn from differently:
   (the user may draw from it between steps).
 * **The optimizer's own generators** (seeded from the operating system, one per device;
   in secure mode a fresh one for every draw, :func:`dpoptim.privatize.fresh_generator`):
-  their values cannot be reproduced by anyone, so how they are drawn is free. A step's
-  noise is one flat buffer of standard normals per device and dtype, drawn in one call
-  instead of one per parameter. On CPU the buffer of the *next* step is drawn ahead, on a
-  background thread, as soon as a step has used its own (:class:`_Pending`): the draw then
-  overlaps the forward and backward passes instead of adding to ``step()``.
+  their values cannot be reproduced by anyone, so when they are drawn is free. On CPU,
+  when a step's noise is large (:data:`PREDRAW_MIN` normal draws or more), it is one flat
+  buffer of standard normals per dtype, and the buffer of the *next* step is drawn ahead
+  on a background thread as soon as a step has taken its own (:class:`_Pending`): the draw
+  then overlaps the forward and backward passes instead of adding to ``step()``. Smaller
+  draws, and draws on other devices (asynchronous there already), are made in ``step()``,
+  parameter by parameter: handing them to a thread would cost more than it saves.
 
 A pre-drawn buffer is consumed exactly once: ``step()`` takes it out of the optimizer
 before using it, and uses it only if it was drawn for the same parameters (their ids,
@@ -101,42 +103,51 @@ class NoiseMixin:
         ``pairs_by_device`` maps each device to its ``(parameter, sum)`` pairs, in the order
         of the parameter groups."""
         std = sigma * bound
-        if not std > 0:
-            return
+        stale = set(self._pending)
         for device, pairs in pairs_by_device.items():
-            if self._user_generator is not None:
-                add_noise_([s for _, s in pairs], sigma, bound, self._user_generator, self.secure_mode)
+            sums = [s for _, s in pairs]
+            if not (std > 0 and self._draws_ahead(device, sums)):
+                add_noise_(sums, sigma, bound, self._generator_for(device), self.secure_mode)
                 continue
             by_dtype: dict[torch.dtype, list] = {}
             for p, s in pairs:
                 by_dtype.setdefault(torch.promote_types(s.dtype, torch.float32), []).append((p, s))
             for dtype, group in by_dtype.items():
+                stale.discard((device, dtype))
                 z = self._flat_noise(device, dtype, group)
                 offset = 0
                 for _, s in group:
                     n = s.numel()
                     s.add_(z[offset:offset + n].view(s.shape), alpha=std)
                     offset += n
+        for slot in stale:  # drawn for a step that no longer comes: dropped unused
+            self._pending.pop(slot).future.exception()
+
+    def _draws_ahead(self, device: torch.device, sums: list) -> bool:
+        """Whether the noise of ``sums`` is drawn a step ahead (see the module docstring):
+        the optimizer's own generator on CPU, and a draw large enough to be worth it."""
+        if not self.predraw_noise or self._user_generator is not None or device.type != "cpu":
+            return False
+        numel = sum(s.numel() for s in sums)
+        return PREDRAW_MIN <= numel * (4 if self.secure_mode else 1) and numel <= PREDRAW_MAX
 
     def _flat_noise(self, device: torch.device, dtype: torch.dtype, pairs: list) -> torch.Tensor:
-        """Standard normals for the sums of ``pairs`` laid end to end, from the optimizer's
-        own generator: the buffer drawn ahead for exactly these parameters, else a fresh
-        draw. On CPU the next step's buffer is then drawn ahead, on the background thread."""
+        """Standard normals for the sums of ``pairs`` laid end to end: the buffer drawn
+        ahead for exactly these parameters, else a fresh draw; then the next step's buffer
+        is drawn ahead, on the background thread."""
         numel = sum(s.numel() for _, s in pairs)
         generator = None if self.secure_mode else self._generator_for(device)
         key = (tuple((id(p), s.shape) for p, s in pairs), id(generator), self.secure_mode)
         pending = self._pending.pop((device, dtype), None)  # taken out: it is used once at most
         z = None
-        if pending is not None:
-            drawn = pending.future.result()  # waited for even when dropped: one draw at a time
-            if pending.key == key:
-                z = drawn
+        if pending is not None and pending.key == key:
+            z = pending.future.result()
+        elif pending is not None:  # dropped unused, once its draw is over: one draw at a time
+            pending.future.exception()
         if z is None:
             z = _draw(numel, dtype, device, generator, self.secure_mode)
-        draws = numel * (4 if self.secure_mode else 1)
-        if self.predraw_noise and device.type == "cpu" and PREDRAW_MIN <= draws and numel <= PREDRAW_MAX:
-            future = _executor().submit(_draw, numel, dtype, device, generator, self.secure_mode)
-            self._pending[device, dtype] = _Pending(key, future)
+        future = _executor().submit(_draw, numel, dtype, device, generator, self.secure_mode)
+        self._pending[device, dtype] = _Pending(key, future)
         return z
 
     def _add_shard_noise(self, local: torch.Tensor, p, sigma: float, bound: float) -> None:
