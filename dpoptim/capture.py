@@ -168,7 +168,10 @@ class CaptureMixin:
         if self._slots:
             for name, p in params.items():
                 self._alias(module, name, p)
-        key = tuple(id(p if self._owned(p) is None else self._owned(p)) for p in params.values())
+        if self._aliases:  # FSDP2: an unsharded stand-in counts as the sharded parameter
+            key = tuple(id(p if (owned := self._owned(p)) is None else owned) for p in params.values())
+        else:
+            key = tuple(map(id, params.values()))
         cached = self._decisions.get(module)
         if cached is not None and cached.key == key:
             return cached

@@ -80,7 +80,7 @@ class NoiseMixin:
     docstring). The optimizer calls :meth:`_init_noise` in its constructor."""
 
     #: Whether CPU noise from the optimizer's own generators is drawn a step ahead.
-    predraw_noise = True
+    _predraw_noise = True
 
     def _init_noise(self, generator: torch.Generator | None, secure_mode: bool) -> None:
         self._user_generator = generator
@@ -126,7 +126,7 @@ class NoiseMixin:
     def _draws_ahead(self, device: torch.device, sums: list) -> bool:
         """Whether the noise of ``sums`` is drawn a step ahead (see the module docstring):
         the optimizer's own generator on CPU, and a draw large enough to be worth it."""
-        if not self.predraw_noise or self._user_generator is not None or device.type != "cpu":
+        if not self._predraw_noise or self._user_generator is not None or device.type != "cpu":
             return False
         numel = sum(s.numel() for s in sums)
         return PREDRAW_MIN <= numel * (4 if self.secure_mode else 1) and numel <= PREDRAW_MAX
