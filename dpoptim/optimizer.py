@@ -150,15 +150,6 @@ class DPOptimizerMixin(HyperparameterMixin, NoiseMixin, SpendingMixin, BatchSize
         self._process_group = process_group
         self._init_watches()
 
-    # ----------------------------------------------------------------- hyperparameters
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        if getattr(self, "defaults", None) is not None and "noise_multiplier" in self.defaults:
-            group.setdefault("noise_multiplier", self.defaults["noise_multiplier"])
-            group.setdefault("max_grad_norm", self.defaults["max_grad_norm"])
-        self._engine.add_params(group["params"], group.get("param_names"))
-
     # ----------------------------------------------------------------- the step
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)

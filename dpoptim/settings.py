@@ -132,7 +132,16 @@ def _resolve_noise(noise_multiplier, target_epsilon, steps, epochs, max_epsilon,
 
 class HyperparameterMixin:
     """``noise_multiplier`` and ``max_grad_norm`` as properties over the parameter groups,
-    which must agree: DP-SGD clips and noises all parameters together."""
+    which must agree: DP-SGD clips and noises all parameters together. A group added later
+    gets the constructor's values and its parameters go to the clipping engine."""
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if getattr(self, "defaults", None) is not None and "noise_multiplier" in self.defaults:
+            group.setdefault("noise_multiplier", self.defaults["noise_multiplier"])
+            group.setdefault("max_grad_norm", self.defaults["max_grad_norm"])
+        self._engine.add_params(group["params"], group.get("param_names"))
 
     def _group_value(self, key: str, check) -> float:
         values = {float(group[key]) for group in self.param_groups}
