@@ -31,6 +31,7 @@ changed ``noise_multiplier`` or ``max_grad_norm`` needs no redraw. It lives only
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 
 import torch
@@ -48,15 +49,18 @@ PREDRAW_MIN = 1 << 16
 #: buffer held between steps would cost more memory than the draw costs time.
 PREDRAW_MAX = 1 << 24
 
-_EXECUTOR: list = []  # the one background thread of the process, started on first use
+_EXECUTOR: dict = {}  # process id -> the one background thread of that process, started on first use
 _EXECUTOR_LOCK = threading.Lock()
 
 
 def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    # A forked child inherits the parent's executor but not its thread: it needs its own.
     with _EXECUTOR_LOCK:
-        if not _EXECUTOR:
-            _EXECUTOR.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dpoptim-noise"))
-        return _EXECUTOR[0]
+        pid = os.getpid()
+        if pid not in _EXECUTOR:
+            _EXECUTOR.clear()
+            _EXECUTOR[pid] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dpoptim-noise")
+        return _EXECUTOR[pid]
 
 
 class _Pending:
@@ -87,6 +91,17 @@ class NoiseMixin:
         self.secure_mode = bool(secure_mode)
         self._generators: dict[torch.device, torch.Generator] = {}
         self._pending: dict[tuple, _Pending] = {}  # (device, dtype) -> the buffer drawn ahead
+        self._noise_pid = os.getpid()
+
+    def _forget_parent_noise(self) -> None:
+        """In a process forked from the one that built the optimizer: drop the generators
+        and buffers copied from the parent, which would give both processes the same
+        noise (and a buffer whose draw ran in the parent's thread would never arrive)."""
+        pid = os.getpid()
+        if pid != self._noise_pid:
+            self._noise_pid = pid
+            self._generators.clear()
+            self._pending.clear()
 
     def _generator_for(self, device: torch.device) -> torch.Generator:
         if self._user_generator is not None:
@@ -103,6 +118,7 @@ class NoiseMixin:
         ``pairs_by_device`` maps each device to its ``(parameter, sum)`` pairs, in the order
         of the parameter groups."""
         std = sigma * bound
+        self._forget_parent_noise()
         stale = set(self._pending)
         for device, pairs in pairs_by_device.items():
             sums = [s for _, s in pairs]
@@ -153,6 +169,7 @@ class NoiseMixin:
     def _add_shard_noise(self, local: torch.Tensor, p, sigma: float, bound: float) -> None:
         """Noise for this rank's shard ``local`` of an FSDP2-sharded parameter ``p`` (see
         :mod:`dpoptim.fsdp`), in place."""
+        self._forget_parent_noise()
         if self._user_generator is not None:
             # Every rank draws the whole vector and keeps its slice: the noise of an
             # unsharded run with this generator, one independent draw per coordinate.

@@ -56,10 +56,17 @@ def flat(noises) -> torch.Tensor:
     return torch.cat(noises)
 
 
+def settle(opt) -> None:
+    """Wait for the draws running ahead, so that ``drawn`` holds them."""
+    for pending in opt._pending.values():
+        pending.future.result()
+
+
 def test_each_buffer_drawn_ahead_serves_one_step_and_no_other(drawn):
     model = zero_gradient_model(bias=True)
     opt = optimizer(model.parameters())
     steps = [flat(noise_of_step(model, opt)) for _ in range(4)]
+    settle(opt)
     # the first step draws in step(); each step then draws the next one's ahead
     assert len(drawn) == len(steps) + 1
     for i, z in enumerate(steps):
@@ -92,6 +99,7 @@ def test_new_parameters_drop_the_buffer_drawn_for_the_old_ones(drawn):
     before = model.weight.detach().clone()
     opt.step()
     second = (before - model.weight.detach()).flatten()
+    settle(opt)
     # drawn[1] was drawn ahead for the weight alone: dropped; drawn[2] covers weight and extra
     assert len(drawn) == 4 and drawn[1].numel() == second.numel() and drawn[2].numel() == second.numel() + 5
     assert not torch.allclose(second, drawn[1][: second.numel()])
@@ -103,8 +111,10 @@ def test_a_changed_dtype_drops_the_buffer_of_the_old_dtype(drawn):
     model = zero_gradient_model()
     opt = optimizer(model.parameters())
     noise_of_step(model, opt)
+    settle(opt)
     model.float()  # the same parameters, now float32
     second = flat(noise_of_step(model, opt))
+    settle(opt)
     assert drawn[1].dtype == torch.float64 and drawn[2].dtype == torch.float32
     assert torch.allclose(second, drawn[2], rtol=0, atol=1e-5)  # float32 differences of parameters
     assert not torch.allclose(second, drawn[1].float(), rtol=0, atol=1e-2)
@@ -118,6 +128,7 @@ def test_secure_mode_draws_ahead_from_a_fresh_generator_every_time(drawn, monkey
     model = zero_gradient_model()
     opt = optimizer(model.parameters(), secure_mode=True)
     steps = [flat(noise_of_step(model, opt)) for _ in range(3)]
+    settle(opt)
     assert len(fresh) == len(drawn) == 4 and len({id(g) for g in fresh}) == 4
     for i, z in enumerate(steps):
         assert torch.allclose(z, drawn[i], rtol=1e-12, atol=0)
@@ -143,6 +154,7 @@ def test_a_checkpoint_never_holds_the_buffer_drawn_ahead(drawn):
     model = zero_gradient_model()
     opt = optimizer(model.parameters())
     noise_of_step(model, opt)
+    settle(opt)
     pending = drawn[-1]
     state = opt.state_dict()
     tensors = [v for v in _leaves(state) if isinstance(v, torch.Tensor)]
@@ -172,3 +184,21 @@ def test_large_cpu_draws_go_ahead_and_small_ones_stay_in_step():
         model(torch.randn(2, model.in_features)).sum().backward()
         opt.step()
         assert bool(opt._pending) == (model is large)
+
+
+def test_a_forked_process_never_continues_the_parents_noise(drawn, monkeypatch):
+    """A child forked after a step holds copies of the optimizer's generator and of the
+    buffer drawn ahead: using either would give parent and child the same noise."""
+    model = zero_gradient_model()
+    opt = optimizer(model.parameters())
+    noise_of_step(model, opt)
+    settle(opt)
+    parents = dict(opt._generators)
+    parent_pid = noise.os.getpid()
+    monkeypatch.setattr(noise.os, "getpid", lambda: parent_pid + 1)  # now "in the child"
+    child = flat(noise_of_step(model, opt))
+    settle(opt)
+    assert len(drawn) == 4  # drawn[1], the parent's buffer, was dropped: drawn[2] is the child's
+    assert torch.allclose(child, drawn[2], rtol=1e-12, atol=0)
+    assert not torch.allclose(child, drawn[1])
+    assert all(opt._generators[d] is not g for d, g in parents.items())
