@@ -301,11 +301,15 @@ class ClippingMixin:
         all-zero gradient is no evidence either way (zeroing it changes nothing), so only
         non-zero ones are marked: one device sync for all of them."""
         grads = [(pid, p.grad) for pid, p in accumulated.items() if p.grad is not None and not p.grad.is_sparse]
-        grads = [(pid, fsdp.local(g)) for pid, g in grads]  # an FSDP2 gradient: this rank's shard
+        if self._sharded:
+            grads = [(pid, fsdp.local(g)) for pid, g in grads]  # an FSDP2 gradient: this rank's shard
         if not grads:
             return
         device = grads[0][1].device
-        nonzero = torch.stack([g.any() if g.device == device else g.any().to(device) for _, g in grads]).tolist()
+        if device.type == "cpu":  # no device to wait for: read each flag as it is computed
+            nonzero = [bool(g.any()) for _, g in grads]
+        else:
+            nonzero = torch.stack([g.any() if g.device == device else g.any().to(device) for _, g in grads]).tolist()
         for (pid, g), keep in zip(grads, nonzero):
             if keep:
                 self._marks[pid] = (weakref.ref(g), _torch.version_counter(g))

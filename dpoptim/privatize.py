@@ -66,7 +66,7 @@ def add_noise_(
     if std > 0:
         for s in clipped_sums:
             z = standard_normal(s.shape, torch.promote_types(s.dtype, torch.float32), generator, secure)
-            s.add_(z.to(s.device, non_blocking=True), alpha=std)
+            s.add_(z if z.device == s.device else z.to(s.device, non_blocking=True), alpha=std)
     return clipped_sums
 
 
