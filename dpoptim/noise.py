@@ -19,13 +19,16 @@ mode's four-draw sum). Two kinds of generator, drawn from differently:
   draws, and draws on other devices (asynchronous there already), are made in ``step()``,
   parameter by parameter: handing them to a thread would cost more than it saves.
 
-A pre-drawn buffer is consumed exactly once: ``step()`` takes it out of the optimizer
+A pre-drawn buffer is used by one step at most: ``step()`` takes it out of the optimizer
 before using it, and uses it only if it was drawn for the same parameters (their ids,
 shapes and order), device, dtype, kind of generator (secure or not) and generator as the
 step needs now; otherwise it is dropped, unused, and the noise drawn afresh. The buffer
 holds standard normals, scaled by the ``sigma`` and ``C`` in force when it is added, so a
 changed ``noise_multiplier`` or ``max_grad_norm`` needs no redraw. It lives only in memory:
-``state_dict()`` never contains it (nor the optimizer's own generators).
+``state_dict()`` never contains it (nor the optimizer's own generators), and a process
+forked from the optimizer's drops it with the generators (:meth:`NoiseMixin._forget_parent_noise`).
+Its cost is memory: one copy of the parameters, in float32 or wider, held from one step
+to the next (:data:`PREDRAW_MAX` bounds it).
 """
 
 from __future__ import annotations
@@ -45,16 +48,28 @@ __all__ = ["NoiseMixin"]
 #: in secure mode): below it the hand-over costs more than the draw (measured on CPU: the
 #: 64-32-10 MLP's 2,410 numbers are slower drawn ahead, the 784-512-512-10 MLP's 670k faster).
 PREDRAW_MIN = 1 << 16
-#: Largest pre-drawn buffer, in numbers: above it (a model of over 16M parameters) the
-#: buffer held between steps would cost more memory than the draw costs time.
+#: Largest buffer drawn ahead, in numbers (64 MiB in float32). The buffer is held through
+#: the next forward and backward passes, so it adds one copy of the parameters to the peak
+#: memory of a step: above this size (over 16M parameters) the noise is drawn in step().
 PREDRAW_MAX = 1 << 24
 
 _EXECUTOR: dict = {}  # process id -> the one background thread of that process, started on first use
 _EXECUTOR_LOCK = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    # A forked child inherits the parent's executor but not its thread, and maybe a lock
+    # held by a thread that does not exist there: it starts afresh.
+    global _EXECUTOR_LOCK
+    _EXECUTOR_LOCK = threading.Lock()
+    _EXECUTOR.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _executor() -> concurrent.futures.ThreadPoolExecutor:
-    # A forked child inherits the parent's executor but not its thread: it needs its own.
     with _EXECUTOR_LOCK:
         pid = os.getpid()
         if pid not in _EXECUTOR:
