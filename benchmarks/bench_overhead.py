@@ -14,7 +14,7 @@ DP optimizer alive: the median of (with / without) over interleaved rounds. A ra
 means a model without a DP optimizer pays nothing.
 
 *Noise ahead*: the MLP 784-512-512-10 at batch 256 (670k parameters), DPSGD with its noise
-drawn a step ahead on a background thread (the default, :mod:`dpoptim.noise`) against the
+drawn a step ahead on a background thread (:mod:`dpoptim.noise`; the default in secure mode) against the
 same optimizer drawing it inside ``step()``, each against a non-private step of the same
 round; plain and secure mode.
 

@@ -11,8 +11,8 @@ mode's four-draw sum). Two kinds of generator, drawn from differently:
   (the user may draw from it between steps).
 * **The optimizer's own generators** (seeded from the operating system, one per device;
   in secure mode a fresh one for every draw, :func:`dpoptim.privatize.fresh_generator`):
-  their values cannot be reproduced by anyone, so when they are drawn is free. On CPU,
-  when a step's noise is large (:data:`PREDRAW_MIN` normal draws or more), it is one flat
+  their values cannot be reproduced by anyone, so when they are drawn is free. On CPU in
+  secure mode (see :attr:`NoiseMixin._predraw_noise`), when a step's noise is large (:data:`PREDRAW_MIN` normal draws or more), it is one flat
   buffer of standard normals per dtype, and the buffer of the *next* step is drawn ahead
   on a background thread as soon as a step has taken its own (:class:`_Pending`): the draw
   then overlaps the forward and backward passes instead of adding to ``step()``. Smaller
@@ -98,8 +98,14 @@ class NoiseMixin:
     """The noise side of a DP optimizer: its generators and the draws (see the module
     docstring). The optimizer calls :meth:`_init_noise` in its constructor."""
 
-    #: Whether CPU noise from the optimizer's own generators is drawn a step ahead.
-    _predraw_noise = True
+    #: Whether CPU noise from the optimizer's own generators is drawn a step ahead. None
+    #: (the default): in secure mode only, where a number costs four normal draws and
+    #: drawing ahead saves most (784-512-512-10 MLP: about 2.4x non-private's step time
+    #: drawn in ``step()``, 1.4x drawn ahead). Plain draws stay in ``step()``: there the
+    #: gain is smaller (about 1.5x to 1.4x) and the buffer held from one step to the next
+    #: would add a copy of the parameters to the step's peak memory (1.25x to about 1.55x
+    #: non-private's extra memory on that MLP). True: always; False: never.
+    _predraw_noise: bool | None = None
 
     def _init_noise(self, generator: torch.Generator | None, secure_mode: bool) -> None:
         self._user_generator = generator
@@ -157,7 +163,8 @@ class NoiseMixin:
     def _draws_ahead(self, device: torch.device, sums: list) -> bool:
         """Whether the noise of ``sums`` is drawn a step ahead (see the module docstring):
         the optimizer's own generator on CPU, and a draw large enough to be worth it."""
-        if not self._predraw_noise or self._user_generator is not None or device.type != "cpu":
+        wanted = self.secure_mode if self._predraw_noise is None else self._predraw_noise
+        if not wanted or self._user_generator is not None or device.type != "cpu":
             return False
         numel = sum(s.numel() for s in sums)
         return PREDRAW_MIN <= numel * (4 if self.secure_mode else 1) and numel <= PREDRAW_MAX

@@ -17,6 +17,7 @@ def drawn(monkeypatch):
     """Every buffer drawn for the optimizers' own generators, in the order drawn (the
     threshold lowered so that small models draw ahead too)."""
     monkeypatch.setattr(noise, "PREDRAW_MIN", 1)
+    monkeypatch.setattr(noise.NoiseMixin, "_predraw_noise", True)  # plain mode too
     buffers = []
     real = noise._draw
 
@@ -176,14 +177,17 @@ def _leaves(obj):
         yield obj
 
 
-def test_large_cpu_draws_go_ahead_and_small_ones_stay_in_step():
+@pytest.mark.parametrize("secure", [False, True])
+def test_large_secure_cpu_draws_go_ahead_and_others_stay_in_step(secure):
+    """By default only secure mode draws ahead: plain draws are cheap enough that holding a
+    copy of the parameters from one step to the next is not worth it."""
     small, large = nn.Linear(10, 10), nn.Linear(300, 300)
     for model in (small, large):
-        opt = optimizer(model.parameters())
+        opt = optimizer(model.parameters(), secure_mode=secure)
         opt.zero_grad()
         model(torch.randn(2, model.in_features)).sum().backward()
         opt.step()
-        assert bool(opt._pending) == (model is large)
+        assert bool(opt._pending) == (secure and model is large)
 
 
 def test_a_forked_process_never_continues_the_parents_noise(drawn, monkeypatch):
