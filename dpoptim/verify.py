@@ -211,9 +211,9 @@ def unchecked(key: tuple) -> bool:
 
 class FirstUse:
     """What the check of a call's first-taken acceleration routes needs: the routes, the
-    state of the random generator and of autocast before the forward (:meth:`before`),
-    the call's arguments (:meth:`after`) and, for a stand-in, the input gradients the rule
-    returned in the backward."""
+    state of the random generator and of autocast before the forward (read when it is
+    built, before the forward), the call's arguments (:meth:`after`) and, for a stand-in,
+    the input gradients the rule returned in the backward."""
 
     __slots__ = ("routes", "device", "rng", "autocast", "args", "kwargs", "input_grads")
 
@@ -222,7 +222,7 @@ class FirstUse:
         self.args = self.kwargs = self.input_grads = None
         self.rng = None
         try:
-            from .rules._common import rng_state  # noqa: PLC0415  (rules import this module)
+            from .rules._common import rng_state  # here: the rules import this module
             self.rng = rng_state(device)
         except ValueError:  # no replayable generator on this device: the forward must not draw
             pass
@@ -247,7 +247,7 @@ class FirstUse:
         and autocast as it was then."""
         with contextlib.ExitStack() as stack:
             if self.rng is not None:
-                from .rules._common import rng_replayed  # noqa: PLC0415
+                from .rules._common import rng_replayed
                 stack.enter_context(rng_replayed(self.device, self.rng))
             if self.autocast is not None:
                 stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast))
@@ -308,7 +308,7 @@ def _check_first_use(record, use, names, n, autocast) -> str | None:
         if reference is None or first.input_grads is not None:
             recomputed, inputs = _recompute(record, first, names, use.grad_outputs)
             reference = recomputed if reference is None else reference
-    except Exception as exc:  # noqa: BLE001  (unchecked is not allowed: said at step())
+    except Exception as exc:  # a route left unchecked is an error too, at step()
         return (f"{type(record.rule).__name__} took {_taken(routes)} for {paths.describe(record.module)} for the "
                 f"first time, and recomputing that call to check it against autograd failed: {exc!r}. "
                 f"{_FIXES_SHORT}")
