@@ -229,3 +229,34 @@ def test_an_empty_batch_proves_nothing(fresh_routes):
         nn.functional.mse_loss(model(x[:batch]), y[:batch], reduction="sum").backward()
         opt.step()
         assert bool(_routes("ghost")) == (batch > 0)
+
+
+def test_a_wrong_recurrent_stand_in_is_caught_for_the_initial_state(monkeypatch):
+    """The built-in recurrent rule's stand-in, with a wrong gradient for ``h0`` only (the
+    second of its inputs): caught on step 2, its first stand-in."""
+    from dpoptim.rules.rnn import RecurrentRule
+
+    torch.manual_seed(5)
+    g = torch.Generator().manual_seed(5)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.init = nn.Linear(3, 3).double(), nn.Linear(3, 4).double()
+            self.gru, self.head = nn.GRU(3, 4, batch_first=True).double(), nn.Linear(4, 2).double()
+
+        def forward(self, x):
+            out, _ = self.gru(self.lin(x), self.init(x[:, 0]).unsqueeze(0))  # h0 from the first step
+            return self.head(out[:, -1])
+
+    original = RecurrentRule.input_gradients
+
+    def wrong(self, use):
+        dx, dh0 = original(self, use)
+        return [dx, dh0 * 2]
+
+    monkeypatch.setattr(RecurrentRule, "input_gradients", wrong)
+    model = Model()
+    x, y = torch.randn(4, 5, 3, generator=g, dtype=F64), torch.randn(4, 2, generator=g, dtype=F64)
+    with pytest.raises(dpoptim.UnsupportedLayerError, match=r"RecurrentRule took its stand-in.*input 1 "):
+        _train(model, 2, x, y)
