@@ -83,6 +83,8 @@ class AccelerationMixin:
     def _before_forward(self, module, decision, args) -> None:
         """After the first step, before the forward of a module with claimed parameters:
         ghost differentiation, and the start of a first use's check (module docstring)."""
+        if verify.recomputing():  # a child of a module run again for a check: as autograd runs it
+            return
         rule, routes = decision.rule, []
         if rule.detach_parameters:
             route = self._detach(module, decision, args)
@@ -188,6 +190,8 @@ class AccelerationMixin:
         autograd, and off where :meth:`_accelerate` says. Also where a call that takes a
         route for the first time hands its check to the verifier (module docstring)."""
         rule, module = record.rule, record.module
+        if verify.recomputing():
+            return None
         first = Rule.call_state(module).pop(_FIRST, None)
         inputs = rule.inputs(module, args, kwargs) if _stands_in(rule) else None
         if first is not None:

@@ -35,6 +35,7 @@ autograd computes for the same loss:
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from typing import Callable
 
@@ -52,6 +53,14 @@ _VERIFIED: set = set()
 _FIRST_USES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Route -> the backward (group id) whose check of it failed: one error per route there.
 _FAILED: dict = {}
+# Per thread: how many recomputations (_autograd_grads) are running. Their forwards take no
+# acceleration: the children of a module run as autograd runs them, for the reference.
+_RECOMPUTING = threading.local()
+
+
+def recomputing() -> bool:
+    """Whether this thread is running a module's forward again for a check."""
+    return getattr(_RECOMPUTING, "depth", 0) > 0
 
 
 def tolerance(dtype: torch.dtype, autocast: bool) -> float:
@@ -110,6 +119,7 @@ def _autograd_grads(module, names, forward, grad_outputs, inputs) -> tuple[dict,
         holder = _torch.own_parameters(module.get_submodule(owner)) if owner else params
         swapped[name] = (holder, leaf, holder[leaf])
         holder[leaf] = holder[leaf].detach().requires_grad_()
+    _RECOMPUTING.depth = getattr(_RECOMPUTING, "depth", 0) + 1
     try:
         with torch.enable_grad():
             outputs = forward()
@@ -119,6 +129,7 @@ def _autograd_grads(module, names, forward, grad_outputs, inputs) -> tuple[dict,
             grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g.to(o.dtype) for o, g in pairs],
                                         allow_unused=True) if pairs else [None] * len(leaves)
     finally:
+        _RECOMPUTING.depth -= 1
         for holder, leaf, original in swapped.values():
             holder[leaf] = original
     params = {name: (torch.zeros_like(swapped[name][2]) if g is None else g) for name, g in zip(names, grads)}

@@ -260,3 +260,45 @@ def test_a_wrong_recurrent_stand_in_is_caught_for_the_initial_state(monkeypatch)
     x, y = torch.randn(4, 5, 3, generator=g, dtype=F64), torch.randn(4, 2, generator=g, dtype=F64)
     with pytest.raises(dpoptim.UnsupportedLayerError, match=r"RecurrentRule took its stand-in.*input 1 "):
         _train(model, 2, x, y)
+
+
+def test_a_module_with_a_child_module_is_recomputed_as_autograd_runs_it(fresh_routes):
+    """The first use of ghost differentiation by a module whose forward calls a child module
+    (with a rule and accelerations of its own): the recomputation runs the child as
+    autograd runs it, its hooks' records of that recomputation are ignored, and the steps
+    match a per-example loop."""
+    from oracle import check_rule_case, mse
+
+    torch.manual_seed(6)
+
+    class Affine(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.scale = nn.Parameter(torch.randn(d, dtype=F64))
+            self.shift = nn.Parameter(torch.randn(d, dtype=F64))
+            self.inner = nn.Linear(d, d).double()
+
+        def forward(self, x):
+            return self.inner(x) * self.scale + self.shift
+
+    @dpoptim.register_rule(Affine)
+    class AffineRule(dpoptim.Rule):
+        detach_parameters = True
+
+        def parameters(self, module):
+            return {"scale": module.scale, "shift": module.shift}
+
+        def save(self, module, args, kwargs, output):
+            return (output.detach() - module.shift.detach()) / module.scale.detach()  # inner(x)
+
+        def per_example(self, use, names):
+            grads = {"scale": use.saved * use.grad_outputs[0], "shift": use.grad_outputs[0]}
+            return {name: grads[name] for name in names}
+
+    x, y = _data(n=5, d=3, seed=6)
+    make = lambda: nn.Sequential(nn.Linear(3, 3).double(), Affine(3), nn.Tanh(), nn.Linear(3, 2).double())  # noqa: E731
+    check_rule_case(make, (x,), y, lambda m, x: m(x), mse)
+    model = make()
+    _train(model, 3, x, y)
+    assert fresh_routes.count("Affine") == 1
+    assert any(key[0] is AffineRule for key in verify._VERIFIED)
