@@ -151,17 +151,22 @@ def _unclipped(rule, use, names: list[str], n: int) -> dict:
 
 
 def _differences(pairs, autocast: bool) -> list[str] | None:
-    """``(what, raw, reference)`` compared: what differs, or None when a side is not finite
-    (a use with a non-finite gradient proves nothing either way)."""
+    """``(what, raw, reference)`` of one use compared: what differs, or None when a side is
+    not finite (a use with a non-finite gradient proves nothing either way). A gradient
+    that is zero in truth (a norm layer's weight where an example's values are all equal)
+    holds only roundoff on both sides, so errors are judged against the use's largest
+    gradient too."""
+    dense = [(what, raw.to_dense() if raw.is_sparse else raw, ref.to_dense() if ref.is_sparse else ref)
+             for what, raw, ref in pairs]
+    if not all(bool(torch.isfinite(raw).all()) and bool(torch.isfinite(ref).all()) for _, raw, ref in dense):
+        return None
+    largest = max((float(ref.norm()) for _, _, ref in dense), default=0.0)
     problems = []
-    for what, raw, reference in pairs:
-        raw = raw.to_dense() if raw.is_sparse else raw
-        reference = reference.to_dense() if reference.is_sparse else reference
-        if not (bool(torch.isfinite(raw).all()) and bool(torch.isfinite(reference).all())):
-            return None
-        error = mismatch(raw, reference, tolerance(reference.dtype, autocast))
-        if error is not None:
-            problems.append(f"{what} (relative error {error:.2e})")
+    for what, raw, reference in dense:
+        tol = tolerance(reference.dtype, autocast)
+        error = float((raw.to(reference.dtype) - reference).norm())
+        if error > tol * (float(reference.norm()) + float(raw.norm()) + largest) + 1e-30:
+            problems.append(f"{what} (relative error {error / (float(reference.norm()) + 1e-30):.2e})")
     return problems
 
 
