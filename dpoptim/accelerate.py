@@ -10,17 +10,32 @@ Both are off until the first step has been checked against autograd, and whereve
 :meth:`AccelerationMixin._accelerate` says (DistributedDataParallel forwards that
 all-reduce, FSDP2's sharded parameters). The clipping math (:mod:`dpoptim.clipping`) does
 not depend on them: with them off, every result is the same.
+
+Being off on the first step, they are not part of its check. So each route (ghost
+differentiation keeping one parameter, or ``detach_all``; a stand-in), per rule type,
+device and dtype, is checked against autograd the first time a call takes it, on
+whatever step (:func:`dpoptim.verify.first_use`): that call keeps what its check needs
+(:class:`dpoptim.verify.FirstUse`) in its ``Rule.call_state`` from before its forward to
+the end of it, and in the verifier after. A route already checked costs a set lookup.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _torch
+from . import _torch, verify
 from .capture import _twice
-from .registry import Use
+from .registry import Acceleration, Rule, Use
 
 __all__ = ["AccelerationMixin"]
+
+# Rule.call_state key: the FirstUse of a call that takes a route not yet checked.
+_FIRST = "dpoptim.first_use"
+
+
+def _stands_in(rule) -> bool:
+    """Whether ``rule`` may stand in for its layer's backward (it overrides ``inputs``)."""
+    return type(rule).inputs is not Acceleration.inputs
 
 
 class _StandIn(torch.autograd.Function):
@@ -57,6 +72,7 @@ class _StandIn(torch.autograd.Function):
                 f"{type(record.rule).__name__}.input_gradients returned {len(inputs)} gradients for "
                 f"{ctx.n_inputs} inputs of {type(record.module).__name__}"
             )
+        verify.note_input_gradients(record, inputs)  # the first stand-in of its kind is checked
         anchor = None if ctx.anchor is None else torch.zeros(ctx.anchor[0], dtype=ctx.anchor[1], device=ctx.anchor[2])
         return (None, None, *inputs, anchor) + (None,) * len(grads)
 
@@ -64,7 +80,28 @@ class _StandIn(torch.autograd.Function):
 class AccelerationMixin:
     """The engine's ghost differentiation and stand-ins (see the module docstring)."""
 
-    def _detach(self, module, decision, args) -> None:
+    def _before_forward(self, module, decision, args) -> None:
+        """After the first step, before the forward of a module with claimed parameters:
+        ghost differentiation, and the start of a first use's check (module docstring)."""
+        if verify.recomputing():  # a child of a module run again for a check: as autograd runs it
+            return
+        rule, routes = decision.rule, []
+        if rule.detach_parameters:
+            route = self._detach(module, decision, args)
+            if route is not None and verify.unchecked(route):
+                routes.append(route)
+        if _stands_in(rule) and self._accelerate():
+            live = [p for _, p in decision.claimed if p.requires_grad]
+            # With inputs that need a gradient, or with the anchor alone: one check each.
+            for detail in ("inputs", "anchor") if live else ():
+                route = verify.route_key(rule, "stand-in", live[0], detail)
+                if verify.unchecked(route):
+                    routes.append(route)
+        if routes:
+            device = next(p for _, p in decision.claimed if p.requires_grad).device
+            Rule.call_state(module)[_FIRST] = verify.FirstUse(routes, device)
+
+    def _detach(self, module, decision, args) -> tuple | None:
         """Ghost differentiation: for the duration of the forward, replace the module's
         parameters with detached aliases, so autograd skips weight gradients that the rule
         computes anyway. One parameter (the smallest) stays attached, so the output has a
@@ -73,15 +110,17 @@ class AccelerationMixin:
         ``detach_all`` gives up that one too when the module's input already leads back to
         an attached parameter of this optimizer: both needs are then met upstream. Off
         until the first step has been checked against autograd, and off where
-        :meth:`_accelerate` says."""
+        :meth:`_accelerate` says. Returns the route taken (:func:`dpoptim.verify.route_key`),
+        or None when nothing was detached."""
         live = [(n, p) for n, p in decision.claimed if p.requires_grad]
         if not live:
-            return
+            return None
         if not self._accelerate():  # this call leaves them all attached: autograd reaches them
             self._keep(p for _, p in live)
-            return
+            return None
         if decision.rule.detach_all and self._reaches_attached(args):
             keep = None
+            route = verify.route_key(decision.rule, "ghost-all", live[0][1])
         else:
             chosen = dict(live).get(decision.rule.attached(module, [n for n, _ in live]))
             keep = chosen if chosen is not None else min(live, key=lambda item: item[1].numel())[1]
@@ -90,7 +129,8 @@ class AccelerationMixin:
             self._kept.add(id(keep))
             self._ghosts.discard(id(keep))
             if len(live) < 2:
-                return
+                return None
+            route = verify.route_key(decision.rule, "ghost", keep, next(n for n, p in live if p is keep))
         swapped = []
         for name, p in live:
             if p is not keep:
@@ -101,6 +141,7 @@ class AccelerationMixin:
                 if id(p) not in self._kept:
                     self._ghosts.add(id(p))
         self._detached[id(module)] = swapped
+        return route
 
     def _keep(self, params) -> None:
         for p in params:
@@ -146,9 +187,19 @@ class AccelerationMixin:
         fused recurrent kernel, most of its cost), while the rule, which replays that
         backward anyway, returns the input gradients. Returns the new output, or None.
         Like ghost differentiation, off until the first step has been checked against
-        autograd, and off where :meth:`_accelerate` says."""
+        autograd, and off where :meth:`_accelerate` says. Also where a call that takes a
+        route for the first time hands its check to the verifier (module docstring)."""
         rule, module = record.rule, record.module
-        inputs = rule.inputs(module, args, kwargs)
+        if verify.recomputing():
+            return None
+        first = Rule.call_state(module).pop(_FIRST, None)
+        inputs = rule.inputs(module, args, kwargs) if _stands_in(rule) else None
+        if first is not None:
+            taken = None if inputs is None else ("inputs" if inputs else "anchor")
+            first.routes = [key for key in first.routes if key[1][0] != "stand-in" or key[1][1] == taken]
+            if first.routes:
+                first.after(args, kwargs)
+                verify.first_use(record, first)
         if inputs is None:
             return None
         anchor = None

@@ -293,10 +293,30 @@ def audit_model(make_model, data, loss_fn, *, canary, optimizer_class=None, opti
     large gradient, which clipping caps at C, so each step moves the weights by the most one
     example can. Cost: ``2 * runs`` trainings (``4 * runs`` with the control).
     """
-    from .check import example_count, take
+    from .check import example_count
     from .optimizer import DPSGD
 
-    optimizer_class = DPSGD if optimizer_class is None else optimizer_class
+    _check_audit_arguments(score, runs, steps, canary)
+    kwargs = dict(optimizer_kwargs)
+    q = float(kwargs.setdefault("sample_rate", 1.0))
+    kwargs.setdefault("expected_batch_size", q * example_count(data))
+    initial = make_model()
+    direction = _canary_direction(initial, canary, loss_fn) if score == "gradient" else None
+    attack = _Attack(initial, data, canary, loss_fn, DPSGD if optimizer_class is None else optimizer_class,
+                     int(steps), q, score, direction)
+    bound, threshold, pos, neg, optimizer = attack.run(kwargs, int(runs), delta, confidence)
+    reported = float(optimizer.privacy_spent(delta).epsilon)
+    control_bound = None
+    if control:
+        quiet = {k: v for k, v in kwargs.items() if k not in _NOISE_SETTINGS}
+        control_bound = attack.run({**quiet, "noise_multiplier": 0.0}, int(runs), delta, confidence)[0]
+    return ModelAudit(bound, reported, control_bound, delta, confidence, int(runs), int(steps), score, threshold,
+                      pos, neg)
+
+
+def _check_audit_arguments(score: str, runs, steps, canary) -> None:
+    from .check import example_count
+
     if score not in ("gradient", "loss"):
         raise ValueError(f"score must be 'gradient' or 'loss', got {score!r}")
     if int(runs) != runs or runs < 4:
@@ -305,54 +325,54 @@ def audit_model(make_model, data, loss_fn, *, canary, optimizer_class=None, opti
         raise ValueError(f"steps must be a positive integer, got {steps}")
     if example_count(canary) != 1:
         raise ValueError(f"canary must be one example (the example axis of size 1), got {example_count(canary)}")
-    n = example_count(data)
-    kwargs = dict(optimizer_kwargs)
-    q = float(kwargs.setdefault("sample_rate", 1.0))
-    kwargs.setdefault("expected_batch_size", q * n)
-    with_canary = _concat(data, canary)
 
-    initial = make_model()
-    direction = _canary_direction(initial, canary, loss_fn) if score == "gradient" else None
 
-    def one_world(settings, present: bool):
+class _Attack:
+    """The trainings of :func:`audit_model`: each from the same initial weights, with or
+    without the canary, scored, and the bound from the scores."""
+
+    def __init__(self, initial, data, canary, loss_fn, optimizer_class, steps: int, q: float, score: str, direction):
+        from .check import example_count
+
+        self.initial, self.data, self.canary, self.loss_fn = initial, data, canary, loss_fn
+        self.optimizer_class, self.steps, self.q, self.score, self.direction = optimizer_class, steps, q, score, direction
+        self.n = example_count(data)
+        self.with_canary = _concat(data, canary)
+
+    def one_world(self, settings, present: bool):
+        """One training, with the canary in the training set or not: its score and optimizer."""
+        from .check import take
         from .data import poisson_indices
         from .privatize import fresh_generator
 
-        model = copy.deepcopy(initial)
+        model = copy.deepcopy(self.initial)
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = optimizer_class(params, **settings)
-        batch = with_canary if present else data
-        size = n + 1 if present else n
-        sampler = fresh_generator() if q < 1 else None  # q = 1: every example, nothing to draw
-        for _ in range(steps):
+        optimizer = self.optimizer_class(params, **settings)
+        batch = self.with_canary if present else self.data
+        size = self.n + 1 if present else self.n
+        sampler = fresh_generator() if self.q < 1 else None  # q = 1: every example, nothing to draw
+        for _ in range(self.steps):
             optimizer.zero_grad()
-            idx = poisson_indices(size, q, sampler).tolist()
+            idx = poisson_indices(size, self.q, sampler).tolist()
             if idx:
-                loss_fn(model, take(batch, idx)).backward()
+                self.loss_fn(model, take(batch, idx)).backward()
             optimizer.step()  # an empty batch is a step too: noise only, and charged
         engine = getattr(optimizer, "_engine", None)
         if engine is not None:
             engine.close()
-        return _score(score, initial, model, canary, loss_fn, direction), optimizer
+        return _score(self.score, self.initial, model, self.canary, self.loss_fn, self.direction), optimizer
 
-    def attack(settings):
+    def run(self, settings, runs: int, delta: float, confidence: float):
+        """``runs`` trainings in each world: the bound, the threshold, both worlds' scores
+        and the last optimizer (for the accountant's epsilon)."""
         scores = {True: [], False: []}
         last = None
         for k in range(2 * runs):  # interleaved, so that both worlds see the same conditions
-            value, last = one_world(settings, k % 2 == 0)
+            value, last = self.one_world(settings, k % 2 == 0)
             scores[k % 2 == 0].append(value)
         pos, neg = np.array(scores[True]), np.array(scores[False])
         bound, t = held_out_bound(pos, neg, delta, confidence)
         return bound, t, pos, neg, last
-
-    bound, threshold, pos, neg, optimizer = attack(kwargs)
-    reported = float(optimizer.privacy_spent(delta).epsilon)
-    control_bound = None
-    if control:
-        quiet = {k: v for k, v in kwargs.items() if k not in _NOISE_SETTINGS}
-        control_bound = attack({**quiet, "noise_multiplier": 0.0})[0]
-    return ModelAudit(bound, reported, control_bound, delta, confidence, int(runs), int(steps), score, threshold,
-                      pos, neg)
 
 
 def _canary_direction(model, canary, loss_fn) -> list[torch.Tensor]:

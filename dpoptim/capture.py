@@ -209,8 +209,8 @@ class CaptureMixin:
         if context is not None:
             context.__enter__()
             self._contexts.setdefault(id(module), []).append(context)
-        if not self._verify and decision.rule.detach_parameters:
-            self._detach(module, decision, args)
+        if not self._verify:  # accelerate.py: ghost differentiation, first uses of its routes
+            self._before_forward(module, decision, args)
 
     def _leave_context(self, module) -> None:
         contexts = self._contexts.get(id(module))

@@ -183,23 +183,7 @@ def check(model: nn.Module, batch, loss_fn, *, max_grad_norm: float = 1.0, loss_
     Any error dpoptim raises on the way is reported as a failure with its message.
     Returns a :class:`CheckResult`; ``print(result)`` explains it.
     """
-    if loss_reduction not in ("mean", "sum"):
-        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-    max_grad_norm = float(max_grad_norm)
-    if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
-        raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm}")
-    if micro_batch_size is not None and (int(micro_batch_size) != micro_batch_size or micro_batch_size < 1):
-        raise ValueError(f"micro_batch_size must be a positive integer or None, got {micro_batch_size}")
-    if int(removals) != removals or removals < 1:
-        raise ValueError(f"removals must be a positive integer, got {removals}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    n = example_count(batch)
-    if n < 2:
-        raise ValueError(
-            f"check needs a batch of at least 2 examples to see how examples interact, got {n}; "
-            "pass a real batch from the training data (8 to 64 examples is plenty)"
-        )
+    max_grad_norm, n = _validated(model, batch, max_grad_norm, loss_reduction, micro_batch_size, removals)
     if optimizer_class is None and optimizer_kwargs:
         from .optimizer import DPSGD
 
@@ -220,11 +204,36 @@ def check(model: nn.Module, batch, loss_fn, *, max_grad_norm: float = 1.0, loss_
     return result
 
 
+def _validated(model, batch, max_grad_norm, loss_reduction, micro_batch_size, removals) -> tuple[float, int]:
+    """:func:`check`'s arguments refused early with what to pass instead; returns ``C`` as a
+    float and the number of examples in ``batch``."""
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    max_grad_norm = float(max_grad_norm)
+    if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+        raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm}")
+    if micro_batch_size is not None and (int(micro_batch_size) != micro_batch_size or micro_batch_size < 1):
+        raise ValueError(f"micro_batch_size must be a positive integer or None, got {micro_batch_size}")
+    if int(removals) != removals or removals < 1:
+        raise ValueError(f"removals must be a positive integer, got {removals}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    n = example_count(batch)
+    if n < 2:
+        raise ValueError(
+            f"check needs a batch of at least 2 examples to see how examples interact, got {n}; "
+            "pass a real batch from the training data (8 to 64 examples is plenty)"
+        )
+    return max_grad_norm, n
+
+
 class _Stop(Exception):
     """Raised inside the checker once a failure makes the remaining checks meaningless."""
 
 
-class _Checker:
+class _Reference:
+    """The model's copy and the definition DP-SGD rests on: the per-example loop."""
+
     def __init__(self, model, batch, loss_fn, n, max_grad_norm, loss_reduction, micro_batch_size, removals,
                  optimizer_class, optimizer_kwargs, devices):
         self.model, self.batch, self.loss_fn, self.n = model, batch, loss_fn, n
@@ -244,16 +253,6 @@ class _Checker:
             self.causes_at = len(self.result.failures) + 1
             return _COUPLING_CAUSES + "."
         return f"Causes and fixes: see problem {self.causes_at}."
-
-    def run(self) -> None:
-        try:
-            self._prepare()
-            self._brute_force()
-            self._with_dpoptim()
-            if self.optimizer_class is not None and self.expected is not None:
-                self._with_user_optimizer()
-        except _Stop:
-            pass
 
     # ------------------------------------------------------------------ the copy
     def _prepare(self) -> None:
@@ -360,7 +359,30 @@ class _Checker:
             self.result.notes.append("every per-example gradient is zero on this batch: nothing was compared")
             self.scale = self.c / self.n
 
-    # ------------------------------------------------------------------ dpoptim
+    # ------------------------------------------------------------------ measures
+    def _error(self, got) -> float:
+        return float(_norm([g - e for g, e in zip(got, self.expected)])) / self.scale
+
+    def _worst_parameters(self, got, count: int = 3) -> str:
+        errors = [(float((g - e).norm()) / self.scale, name)
+                  for (name, _), g, e in zip(self.params, got, self.expected)]
+        errors.sort(reverse=True)
+        return ", ".join(f"'{name}' ({error:.2g})" for error, name in errors[:count] if error > self.tol) or "no single tensor"
+
+
+class _Checker(_Reference):
+    """What dpoptim does on the same copy, against the definition (:func:`check`)."""
+
+    def run(self) -> None:
+        try:
+            self._prepare()
+            self._brute_force()
+            self._with_dpoptim()
+            if self.optimizer_class is not None and self.expected is not None:
+                self._with_user_optimizer()
+        except _Stop:
+            pass
+
     def _build(self, optimizer_class, model, **kwargs):
         params = [p for p in model.parameters() if p.requires_grad]
         return optimizer_class(params, max_grad_norm=self.c, loss_reduction=self.reduction, noise_multiplier=0.0,
@@ -392,18 +414,30 @@ class _Checker:
     def _with_dpoptim(self) -> None:
         from .optimizer import DPSGD
 
+        steps, sensitivities, errors, counted = self._dpoptim_updates(DPSGD)
+        if self.expected is None or not steps:
+            return
+        self._judge_steps(steps, DPSGD, counted)
+        if len(sensitivities) < len(self.removed):
+            return  # dpoptim raised during the removals: reported above
+        self._judge_removals(sensitivities, errors)
+
+    def _dpoptim_updates(self, optimizer_class):
+        """DPSGD's privatised gradients on the copy: the full batch at the first and at a
+        later step, then without each removed example. Returns those steps by label, the
+        removals' sensitivities and errors (in C/B), and what the engine counted."""
         model = copy.deepcopy(self.ref)
         optimizer = None
         everything = list(range(self.n))
         doing = "building a DPSGD optimizer on the model"
         steps, sensitivities, errors, counted = {}, [], [], None
         try:
-            optimizer = self._build(DPSGD, model, lr=0.0)
+            optimizer = self._build(optimizer_class, model, lr=0.0)
             doing = "on the full batch (first step)"
             steps["first step"] = self._update(optimizer, model, everything)
             counted = self.counted
             if self.expected is None:  # the per-example loop failed: nothing to compare with
-                return
+                return steps, sensitivities, errors, counted
             doing = "on the full batch (second step)"
             steps["later step"] = full = self._update(optimizer, model, everything)
             for i in self.removed:
@@ -418,8 +452,10 @@ class _Checker:
             self._refused(exc, doing)
         finally:
             _close_optimizer(optimizer)  # before _diagnose builds another
-        if self.expected is None or not steps:
-            return
+        return steps, sensitivities, errors, counted
+
+    def _judge_steps(self, steps, optimizer_class, counted) -> None:
+        """(2): each step against the per-example loop."""
         self.result.step_error = max(self._error(got) for got in steps.values())
         worst = {label: (self._error(got), self._worst_parameters(got))
                  for label, got in steps.items() if self._error(got) > self.tol}
@@ -428,10 +464,11 @@ class _Checker:
             self.fail(
                 f"(2) dpoptim's clipped step differs from the per-example loop ({' and '.join(worst)}): relative "
                 f"error {error:.3g} (tolerance {self.tol:.0e}), largest in {names}. "
-                + self._diagnose(DPSGD, counted)
+                + self._diagnose(optimizer_class, counted)
             )
-        if len(sensitivities) < len(self.removed):
-            return  # dpoptim raised during the removals: reported above
+
+    def _judge_removals(self, sensitivities, errors) -> None:
+        """(3): removing an example moves the update by its own clipped gradient / n."""
         self.result.removed = list(self.removed)
         self.result.sensitivity = max(sensitivities)
         self.result.removal_error = max(errors)
@@ -541,16 +578,6 @@ class _Checker:
                 + ("agrees." if self.result.step_error is not None and self.result.step_error <= self.tol
                    else "differs too.")
             )
-
-    # ------------------------------------------------------------------ measures
-    def _error(self, got) -> float:
-        return float(_norm([g - e for g, e in zip(got, self.expected)])) / self.scale
-
-    def _worst_parameters(self, got, count: int = 3) -> str:
-        errors = [(float((g - e).norm()) / self.scale, name)
-                  for (name, _), g, e in zip(self.params, got, self.expected)]
-        errors.sort(reverse=True)
-        return ", ".join(f"'{name}' ({error:.2g})" for error, name in errors[:count] if error > self.tol) or "no single tensor"
 
 
 # ---------------------------------------------------------------------- helpers

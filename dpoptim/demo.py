@@ -154,12 +154,30 @@ def _run(args) -> int:
     )
     shuffle = torch.Generator().manual_seed(seed + 3)
 
-    print(f"Handwritten digits: {n} training and {len(y_test)} test images (8x8), "
+    _print_settings(args, n, len(y_test), batch, len(batches), sample_rate, steps, dp_opt, device)
+    plain_times: list[float] = []
+    dp_times: list[float] = []
+    for epoch in range(1, args.epochs + 1):
+        plain = _epoch(plain_model, plain_opt, X_train, y_train,
+                       torch.randperm(n, generator=shuffle).to(device).split(batch), plain_times)
+        dp = _epoch(dp_model, dp_opt, X_train, y_train,
+                    (torch.as_tensor(indices, dtype=torch.long, device=device) for indices in batches), dp_times)
+        epsilon = dp_opt.privacy_spent().epsilon
+        print(f"{epoch:>5}  {plain:>16.3f}  {_accuracy(plain_model, X_test, y_test):>8.1%}"
+              f"  {dp:>11.3f}  {_accuracy(dp_model, X_test, y_test):>8.1%}  {epsilon:>7.2f}",
+              flush=True)
+    _print_summary(_accuracy(plain_model, X_test, y_test), _accuracy(dp_model, X_test, y_test),
+                   dp_opt.privacy_spent().epsilon, plain_times, dp_times, dp_opt.steps_taken)
+    return 0
+
+
+def _print_settings(args, n, n_test, batch, batches, sample_rate, steps, dp_opt, device) -> None:
+    print(f"Handwritten digits: {n} training and {n_test} test images (8x8), "
           f"model 64-{HIDDEN}-10, on {'the CPU (1 thread)' if device.type == 'cpu' else 'CUDA'}.")
     print(f"Both runs: {args.epochs} epochs from the same initial weights.")
     print(f"  non-private: torch.optim.SGD, lr {args.lr_nonprivate:g}, {math.ceil(n / batch)} shuffled batches "
           f"of {batch} per epoch.")
-    print(f"  DP-SGD:      dpoptim.DPSGD, lr {args.lr:g}, {len(batches)} Poisson batches per epoch (q = "
+    print(f"  DP-SGD:      dpoptim.DPSGD, lr {args.lr:g}, {batches} Poisson batches per epoch (q = "
           f"{sample_rate:.4f}, expected size {batch}), clipping norm {args.max_grad_norm:g},")
     print(f"               noise multiplier {dp_opt.noise_multiplier:.3f}, calibrated to epsilon {args.epsilon:g} "
           f"at delta {DELTA_TEXT} over {steps} steps.")
@@ -168,34 +186,25 @@ def _run(args) -> int:
     print(header)
     print("-" * len(header))
 
-    plain_times: list[float] = []
-    dp_times: list[float] = []
-    for epoch in range(1, args.epochs + 1):
-        plain_loss = plain_seen = 0
-        for indices in torch.randperm(n, generator=shuffle).to(device).split(batch):
-            seconds, loss, seen = _train_step(plain_model, plain_opt, X_train[indices], y_train[indices])
-            plain_times.append(seconds)
-            plain_loss, plain_seen = plain_loss + loss, plain_seen + seen
-        dp_loss = dp_seen = 0
-        for indices in batches:
-            indices = torch.as_tensor(indices, dtype=torch.long, device=device)
-            seconds, loss, seen = _train_step(dp_model, dp_opt, X_train[indices], y_train[indices])
-            dp_times.append(seconds)
-            dp_loss, dp_seen = dp_loss + loss, dp_seen + seen
-        epsilon = dp_opt.privacy_spent().epsilon
-        print(f"{epoch:>5}  {plain_loss / max(plain_seen, 1):>16.3f}  {_accuracy(plain_model, X_test, y_test):>8.1%}"
-              f"  {dp_loss / max(dp_seen, 1):>11.3f}  {_accuracy(dp_model, X_test, y_test):>8.1%}  {epsilon:>7.2f}",
-              flush=True)
 
-    plain_acc = _accuracy(plain_model, X_test, y_test)
-    dp_acc = _accuracy(dp_model, X_test, y_test)
-    epsilon = dp_opt.privacy_spent().epsilon
+def _epoch(model, optimizer, X, y, batches, times: list[float]) -> float:
+    """One epoch over ``batches`` (index tensors): the mean training loss per example seen;
+    each step's time is appended to ``times``."""
+    total = seen_all = 0
+    for indices in batches:
+        seconds, loss, seen = _train_step(model, optimizer, X[indices], y[indices])
+        times.append(seconds)
+        total, seen_all = total + loss, seen_all + seen
+    return total / max(seen_all, 1)
+
+
+def _print_summary(plain_acc, dp_acc, epsilon, plain_times, dp_times, dp_steps) -> None:
     rows = [
         ("", "non-private", "DP-SGD"),
         ("test accuracy", f"{plain_acc:.1%}", f"{dp_acc:.1%}"),
         (f"epsilon (delta = {DELTA_TEXT})", "infinite", f"{epsilon:.2f}"),
         ("time per step (median)", _ms(plain_times), _ms(dp_times)),
-        ("steps", str(len(plain_times)), str(dp_opt.steps_taken)),
+        ("steps", str(len(plain_times)), str(dp_steps)),
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     print()
@@ -203,7 +212,6 @@ def _run(args) -> int:
         print(f"{label:<{widths[0]}}   {plain:>{widths[1]}}   {private:>{widths[2]}}")
         if i == 0:
             print(f"{'-' * widths[0]}   {'-' * widths[1]}   {'-' * widths[2]}")
-    return 0
 
 
 def main(argv=None) -> int:

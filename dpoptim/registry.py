@@ -167,7 +167,8 @@ class Capture:
     def call_state(module: nn.Module) -> dict:
         """Scratch space of ``module``'s call now running on this thread (from :meth:`check`
         to :meth:`save` and :meth:`outputs`): rules are shared by every module of their type,
-        so state of one call lives here, never on the rule. Empty outside a call."""
+        so state of one call lives here, never on the rule. Empty outside a call. Keys
+        beginning with ``"dpoptim."`` are the engine's."""
         stack = getattr(_calls, "stacks", {}).get(id(module))
         return stack[-1] if stack else {}
 
@@ -175,7 +176,8 @@ class Capture:
 class Acceleration:
     """Optional ways to make autograd do less for a module; none changes a result. The
     engine uses them only after the first step has been checked against autograd, and not
-    under torch.distributed.
+    under torch.distributed; each route they open is checked against autograd the first
+    time a call takes it (:mod:`dpoptim.verify`).
 
     ``detach_parameters = True`` lets the engine hide all but one of the module's
     parameters from autograd during the forward pass, so autograd does not compute weight

@@ -239,62 +239,74 @@ class Recurrence:
 
         Returns time-major ``(dgi, dgh, dproj)``; ``dproj`` (gradient of the LSTM
         projection's output) is None without a projection."""
-        w, mode, keep = self.weights, self.mode, self.keep
-        T, n = d_out.shape[0], d_out.shape[1]
-        W = w.w_hh
-        pass_through = None if keep is None else 1 - keep
-        dh = dh_last
-        dproj = None
         order = list(reversed(self.order))  # backward in time
-        nxt = order[1:] + [None]  # the step each one hands its gradient to
-        if mode in ("RNN_TANH", "RNN_RELU"):
-            dz = torch.empty_like(self.K)
-            dh_t = dh + d_out[order[0]]  # gradient of h_t
-            for t, t_next in zip(order, nxt):
-                torch.mul(dh_t, self.K[t], out=dz[t])
-                if t_next is None:
-                    if initial:
-                        self.dh0 = self._initial(dz[t].mm(W), dh_t, t)
-                    break
-                dh_next = torch.addmm(d_out[t_next], dz[t], W)
-                if pass_through is not None:
-                    dh_next = torch.addcmul(dh_next, dh_t, pass_through[t])
-                dh_t = dh_next
-            return dz, dz, None
-        if mode == "LSTM":
-            H = self.A.shape[-1]
-            dz = self.A.new_empty(T, n, 4, H)
-            dc = dc_last
-            if w.w_hr is not None:
-                dproj = torch.empty_like(d_out)
-            dh_t = dh + d_out[order[0]]
-            for t, t_next in zip(order, nxt):
-                dm = dh_t
-                if dproj is not None:
-                    dproj[t] = dh_t if keep is None else dh_t * keep[t]
-                    dm = dproj[t].mm(w.w_hr)
-                if not (dc_is_total and t == order[0]):  # a total dc already holds this path
-                    dc = torch.addcmul(dc, dm, self.A[t])
-                torch.mul(dc.unsqueeze(1), self.K3[t], out=dz[t, :, :3])
-                torch.mul(dm, self.Ko[t], out=dz[t, :, 3])
-                if t_next is None:
-                    if initial:
-                        self.dh0 = self._initial(dz[t].view(n, 4 * H).mm(W), dh_t, t)
-                        self.dc0 = dc * self.f[t]
-                    break
-                dc = dc * self.f[t]
-                dh_next = torch.addmm(d_out[t_next], dz[t].view(n, 4 * H), W)
-                if pass_through is not None:
-                    dh_next = torch.addcmul(dh_next, dh_t, pass_through[t])
-                dh_t = dh_next
-            dz = dz.view(T, n, 4 * H)
-            return dz, dz, dproj
-        # GRU
+        steps = list(zip(order, order[1:] + [None]))  # each step and the one it hands its gradient to
+        if self.mode in ("RNN_TANH", "RNN_RELU"):
+            return self._backward_rnn(d_out, dh_last, steps, initial)
+        if self.mode == "LSTM":
+            return self._backward_lstm(d_out, dh_last, dc_last, dc_is_total, steps, initial)
+        return self._backward_gru(d_out, dh_last, steps, initial)
+
+    def _backward_rnn(self, d_out, dh, steps, initial):
+        W, keep = self.weights.w_hh, self.keep
+        pass_through = None if keep is None else 1 - keep
+        last = steps[0][0]  # the last time step, where the backward starts
+        dz = torch.empty_like(self.K)
+        dh_t = dh + d_out[last]  # gradient of h_t
+        for t, t_next in steps:
+            torch.mul(dh_t, self.K[t], out=dz[t])
+            if t_next is None:
+                if initial:
+                    self.dh0 = self._initial(dz[t].mm(W), dh_t, t)
+                break
+            dh_next = torch.addmm(d_out[t_next], dz[t], W)
+            if pass_through is not None:
+                dh_next = torch.addcmul(dh_next, dh_t, pass_through[t])
+            dh_t = dh_next
+        return dz, dz, None
+
+    def _backward_lstm(self, d_out, dh, dc_last, dc_is_total, steps, initial):
+        w, keep = self.weights, self.keep
+        T, n, W = d_out.shape[0], d_out.shape[1], w.w_hh
+        pass_through = None if keep is None else 1 - keep
+        dproj = None
+        last = steps[0][0]  # the last time step, where the backward starts
+        H = self.A.shape[-1]
+        dz = self.A.new_empty(T, n, 4, H)
+        dc = dc_last
+        if w.w_hr is not None:
+            dproj = torch.empty_like(d_out)
+        dh_t = dh + d_out[last]
+        for t, t_next in steps:
+            dm = dh_t
+            if dproj is not None:
+                dproj[t] = dh_t if keep is None else dh_t * keep[t]
+                dm = dproj[t].mm(w.w_hr)
+            if not (dc_is_total and t == last):  # a total dc already holds this path
+                dc = torch.addcmul(dc, dm, self.A[t])
+            torch.mul(dc.unsqueeze(1), self.K3[t], out=dz[t, :, :3])
+            torch.mul(dm, self.Ko[t], out=dz[t, :, 3])
+            if t_next is None:
+                if initial:
+                    self.dh0 = self._initial(dz[t].view(n, 4 * H).mm(W), dh_t, t)
+                    self.dc0 = dc * self.f[t]
+                break
+            dc = dc * self.f[t]
+            dh_next = torch.addmm(d_out[t_next], dz[t].view(n, 4 * H), W)
+            if pass_through is not None:
+                dh_next = torch.addcmul(dh_next, dh_t, pass_through[t])
+            dh_t = dh_next
+        dz = dz.view(T, n, 4 * H)
+        return dz, dz, dproj
+
+    def _backward_gru(self, d_out, dh, steps, initial):
+        T, n, W = d_out.shape[0], d_out.shape[1], self.weights.w_hh
+        last = steps[0][0]  # the last time step, where the backward starts
         H = self.u.shape[-1]
         dm_all = torch.empty_like(d_out)
         dgh = self.u.new_empty(T, n, 3, H)
-        dm = torch.add(dh, d_out[order[0]], out=dm_all[order[0]])
-        for t, t_next in zip(order, nxt):
+        dm = torch.add(dh, d_out[last], out=dm_all[last])
+        for t, t_next in steps:
             torch.mul(dm.unsqueeze(1), self.Kgh[t], out=dgh[t])
             if t_next is None:
                 if initial:  # the frozen state's pass-through is in u (1 where inactive)
@@ -332,30 +344,8 @@ def replay_stack(mode, x, h0, c0, weights, num_layers, bidirectional, lengths, o
     inputs ``(dx, dh0, dc0)`` (``dx`` time-major and padded like ``x``, None without
     ``input_dx``; ``dc0`` None unless LSTM), else None.
     """
-    T = x.shape[0]
     directions = 2 if bidirectional else 1
-    active = None
-    if lengths is not None:
-        steps = torch.arange(T, device=x.device).unsqueeze(1)
-        active = (steps < lengths.to(x.device).unsqueeze(0)).unsqueeze(-1)  # [T, n, 1]
-
-    known = output.chunk(directions, dim=-1)
-    replays, inputs = [], []
-    layer_in = x
-    for layer in range(num_layers):
-        inputs.append(layer_in)
-        top = layer == num_layers - 1
-        row = []
-        for d in range(directions):
-            k = layer * directions + d
-            row.append(Recurrence(mode, layer_in, h0[k], None if c0 is None else c0[k], weights[layer][d],
-                                  active, reverse=d == 1, out=known[d] if top else None))
-        replays.append(row)
-        if not top:
-            layer_in = row[0].out if directions == 1 else torch.cat([r.out for r in row], dim=-1)
-            if masks is not None:
-                layer_in = layer_in * masks[layer]
-
+    replays, inputs = _replay_layers(mode, x, h0, c0, weights, num_layers, directions, lengths, output, masks)
     result = {}
     d_layer_out = d_output
     for layer in reversed(range(num_layers)):
@@ -377,3 +367,31 @@ def replay_stack(mode, x, h0, c0, weights, num_layers, bidirectional, lengths, o
     dh0 = torch.stack([r.dh0 for r in initial])
     dc0 = torch.stack([r.dc0 for r in initial]) if c0 is not None else None
     return result, (d_below, dh0, dc0)
+
+
+def _replay_layers(mode, x, h0, c0, weights, num_layers, directions, lengths, output, masks):
+    """The forward half of :func:`replay_stack`: a :class:`Recurrence` per layer and
+    direction (``replays[layer][direction]``) and each layer's input sequence."""
+    T = x.shape[0]
+    active = None
+    if lengths is not None:
+        steps = torch.arange(T, device=x.device).unsqueeze(1)
+        active = (steps < lengths.to(x.device).unsqueeze(0)).unsqueeze(-1)  # [T, n, 1]
+
+    known = output.chunk(directions, dim=-1)
+    replays, inputs = [], []
+    layer_in = x
+    for layer in range(num_layers):
+        inputs.append(layer_in)
+        top = layer == num_layers - 1
+        row = []
+        for d in range(directions):
+            k = layer * directions + d
+            row.append(Recurrence(mode, layer_in, h0[k], None if c0 is None else c0[k], weights[layer][d],
+                                  active, reverse=d == 1, out=known[d] if top else None))
+        replays.append(row)
+        if not top:
+            layer_in = row[0].out if directions == 1 else torch.cat([r.out for r in row], dim=-1)
+            if masks is not None:
+                layer_in = layer_in * masks[layer]
+    return replays, inputs

@@ -328,7 +328,7 @@ class MultiheadAttentionRule(FactoredRule):
                 k = torch.cat([k, k.new_zeros(n * heads, 1, k.shape[-1])], dim=1)
                 v = torch.cat([v, v.new_zeros(n * heads, 1, v.shape[-1])], dim=1)
         S_total = k.shape[1]
-        mask = self._mask(s, n, heads, L, S_total, m, dtype, q.device)
+        mask = _attention_mask(s, n, heads, L, S_total, m, dtype, q.device)
 
         scale = 1.0 / math.sqrt(E // heads)
         dA = _heads(torch.matmul(dY, detach(m.out_proj.weight)), heads)
@@ -338,7 +338,7 @@ class MultiheadAttentionRule(FactoredRule):
             dW = (dW.unsqueeze(1).expand(n, heads, L, S_total) / heads if s["average"] else dW).reshape(n * heads, L, S_total)
 
         if s["dropout"] is not None:
-            A, d_heads = self._replay_with_dropout(q, k, v, mask, dA, dW, s, n, heads, scale)
+            A, d_heads = _replay_with_dropout(q, k, v, mask, dA, dW, s, n, heads, scale)
         else:
             scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
             if mask is not None:
@@ -353,58 +353,57 @@ class MultiheadAttentionRule(FactoredRule):
             d_heads = torch.bmm(dS, k), torch.bmm(dS.transpose(1, 2), q), torch.bmm(P.transpose(1, 2), dA)
         return A, tuple(d.reshape(n, heads, d.shape[1], d.shape[2]) for d in d_heads)
 
-    @staticmethod
-    def _replay_with_dropout(q, k, v, mask, dA, dW, saved, n, heads, scale):
-        """``A`` and ``(dq, dk, dv)`` per head when the forward dropped attention weights.
 
-        The attention is run again exactly as ``F.multi_head_attention_forward`` ran it (the
-        same kernel, in the same dtype, with the random generator set back to its state
-        before the forward, so the kernel draws the same dropout mask) and differentiated
-        with autograd: a backward over this attention alone, not the model."""
-        p, device, state, attn_dtype = saved["dropout"]
-        n_heads, L, d = q.shape
-        S = k.shape[1]
-        with rng_replayed(device, state), torch.enable_grad():
-            leaves = [t.detach().to(attn_dtype).requires_grad_() for t in (q, k, v)]
-            q_, k_, v_ = leaves
-            if saved["need_weights"]:  # softmax, dropout, then the weighted sum of values
-                scores = torch.bmm(q_ * scale, k_.transpose(1, 2))
-                if mask is not None:
-                    scores = (scores.view(n, heads, L, S) + mask.to(attn_dtype)).view(n_heads, L, S)
-                weights = F.dropout(torch.softmax(scores, dim=-1), p)
-                out = torch.bmm(weights, v_)
-                pairs = [(out, dA)] + ([(weights, dW)] if dW is not None else [])
-            else:  # the fused kernel, called as PyTorch calls it
-                causal = saved["is_causal"] and saved["key_padding_mask"] is None
-                out = F.scaled_dot_product_attention(
-                    q_.view(n, heads, L, d), k_.view(n, heads, S, d), v_.view(n, heads, S, d),
-                    attn_mask=None if causal or mask is None else mask.to(attn_dtype),
-                    dropout_p=p, is_causal=causal,
-                ).view(n_heads, L, d)
-                pairs = [(out, dA)]
-            grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g.to(attn_dtype) for _, g in pairs])
-        dtype = q.dtype
-        return _merge(out.detach().to(dtype), heads), tuple(g.to(dtype) for g in grads)
+def _replay_with_dropout(q, k, v, mask, dA, dW, saved, n, heads, scale):
+    """``A`` and ``(dq, dk, dv)`` per head when the forward dropped attention weights.
 
-    @staticmethod
-    def _mask(saved, n, heads, L, S_total, module, dtype, device):
-        """The additive mask ``[n or 1, heads or 1, L, S_total]`` that
-        ``F.multi_head_attention_forward`` applies, or None."""
-        padding = _as_float_mask(saved["key_padding_mask"], dtype)
-        if saved["is_causal"] and padding is None and not saved["need_weights"]:
-            # PyTorch drops attn_mask here and asks scaled_dot_product_attention for its
-            # own causal mask (top-left aligned over the keys, extra tokens included).
-            allowed = torch.ones(L, S_total, dtype=torch.bool, device=device).tril()
-            return _as_float_mask(~allowed, dtype)
-        mask = _as_float_mask(saved["attn_mask"], dtype)
-        extra = int(module.bias_k is not None) + int(module.add_zero_attn)
-        if mask is not None:
-            mask = mask.unsqueeze(0).unsqueeze(0) if mask.dim() == 2 else mask.reshape(n, heads, L, mask.shape[-1])
-            mask = F.pad(mask, (0, extra))
-        if padding is not None:
-            padding = F.pad(padding, (0, extra)).reshape(n, 1, 1, S_total)
-            mask = padding if mask is None else mask + padding
-        return mask
+    The attention is run again exactly as ``F.multi_head_attention_forward`` ran it (the
+    same kernel, in the same dtype, with the random generator set back to its state
+    before the forward, so the kernel draws the same dropout mask) and differentiated
+    with autograd: a backward over this attention alone, not the model."""
+    p, device, state, attn_dtype = saved["dropout"]
+    n_heads, L, d = q.shape
+    S = k.shape[1]
+    with rng_replayed(device, state), torch.enable_grad():
+        leaves = [t.detach().to(attn_dtype).requires_grad_() for t in (q, k, v)]
+        q_, k_, v_ = leaves
+        if saved["need_weights"]:  # softmax, dropout, then the weighted sum of values
+            scores = torch.bmm(q_ * scale, k_.transpose(1, 2))
+            if mask is not None:
+                scores = (scores.view(n, heads, L, S) + mask.to(attn_dtype)).view(n_heads, L, S)
+            weights = F.dropout(torch.softmax(scores, dim=-1), p)
+            out = torch.bmm(weights, v_)
+            pairs = [(out, dA)] + ([(weights, dW)] if dW is not None else [])
+        else:  # the fused kernel, called as PyTorch calls it
+            causal = saved["is_causal"] and saved["key_padding_mask"] is None
+            out = F.scaled_dot_product_attention(
+                q_.view(n, heads, L, d), k_.view(n, heads, S, d), v_.view(n, heads, S, d),
+                attn_mask=None if causal or mask is None else mask.to(attn_dtype),
+                dropout_p=p, is_causal=causal,
+            ).view(n_heads, L, d)
+            pairs = [(out, dA)]
+        grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g.to(attn_dtype) for _, g in pairs])
+    dtype = q.dtype
+    return _merge(out.detach().to(dtype), heads), tuple(g.to(dtype) for g in grads)
+
+def _attention_mask(saved, n, heads, L, S_total, module, dtype, device):
+    """The additive mask ``[n or 1, heads or 1, L, S_total]`` that
+    ``F.multi_head_attention_forward`` applies, or None."""
+    padding = _as_float_mask(saved["key_padding_mask"], dtype)
+    if saved["is_causal"] and padding is None and not saved["need_weights"]:
+        # PyTorch drops attn_mask here and asks scaled_dot_product_attention for its
+        # own causal mask (top-left aligned over the keys, extra tokens included).
+        allowed = torch.ones(L, S_total, dtype=torch.bool, device=device).tril()
+        return _as_float_mask(~allowed, dtype)
+    mask = _as_float_mask(saved["attn_mask"], dtype)
+    extra = int(module.bias_k is not None) + int(module.add_zero_attn)
+    if mask is not None:
+        mask = mask.unsqueeze(0).unsqueeze(0) if mask.dim() == 2 else mask.reshape(n, heads, L, mask.shape[-1])
+        mask = F.pad(mask, (0, extra))
+    if padding is not None:
+        padding = F.pad(padding, (0, extra)).reshape(n, 1, 1, S_total)
+        mask = padding if mask is None else mask + padding
+    return mask
 
 
 @register_rule(nn.TransformerEncoderLayer)
