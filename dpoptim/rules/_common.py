@@ -33,7 +33,8 @@ def rows_by_example(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, tor
     ``[n, T, d]`` and ``[n, T, p]`` in a common dtype."""
     dtype = common_dtype(a, b)
     n, rows = a.shape[0], math.prod(a.shape[1:-1])
-    return a.reshape(n, rows, a.shape[-1]).to(dtype), b.reshape(n, rows, b.shape[-1]).to(dtype)
+    a, b = a.reshape(n, rows, a.shape[-1]), b.reshape(n, rows, b.shape[-1])
+    return (a if a.dtype == dtype else a.to(dtype)), (b if b.dtype == dtype else b.to(dtype))
 
 
 def squared_norms(x: torch.Tensor) -> torch.Tensor:

@@ -54,11 +54,18 @@ class LinearRule(Rule):
     def norms(self, use, names):
         a, b = self._rows(use)
         out = {}
+        if b.shape[1] == 1 and "bias" in names:
+            # T = 1: the per-example bias gradient is b itself (a view, not an [n, p] copy),
+            # and ||b||^2 serves the weight's ||a||^2 ||b||^2 too.
+            bias = use.cache["bias"] = b[:, 0]
+            out["bias"] = squared_norms(bias)
+            if "weight" in names:
+                out["weight"] = squared_norms(a) * out["bias"]
+            return out
         if "weight" in names:
             out["weight"] = ghost_or_materialize(a, b, use.cache)
         if "bias" in names:
-            # T = 1: the per-example bias gradient is b itself; a view, not an [n, p] copy.
-            bias = use.cache["bias"] = b[:, 0] if b.shape[1] == 1 else b.sum(1)
+            bias = use.cache["bias"] = b.sum(1)
             out["bias"] = squared_norms(bias)
         return out
 
