@@ -43,7 +43,7 @@ the transform's rounding noise is small relative to what is read there even for
 After many steps the composed transform lives on a few hundred low frequencies: each
 step's transform is kept (and cached between calls, keyed by the pair and the grid) only
 up to the frequency past which its power is below the smallest float64, which changes no
-computed value (:func:`_step_prefix`). Grid bottoms snap to a 512th of the window, so a
+computed value (:func:`_step_prefixes`). Grid bottoms snap to a 512th of the window, so a
 ledger that grows by a step usually keeps its grid and re-uses every cached transform.
 
 **The window.** The grid is a window :math:`[a, b)` of ``n`` points of spacing ``h``
@@ -102,8 +102,6 @@ import math
 import threading
 
 import numpy as np
-import scipy.fft
-from scipy.special import log_ndtr, ndtri
 
 from .gaussian import (
     gaussian_epsilon,
@@ -114,6 +112,7 @@ from .gaussian import (
 )
 from .ledger import Accountant, Ledger, check_count, check_delta, coarsen_runs
 from .rdp import DEFAULT_ORDERS, epsilon_from_rdp, ledger_rdp, rdp_subsampled_gaussian
+from .special import log_ndtr, ndtri
 
 __all__ = ["PLDAccountant", "DEFAULT_GRID_POINTS", "pld_epsilon", "pld_epsilon_lower_bound"]
 
@@ -750,12 +749,12 @@ def _step_distribution(sigma: float, q: float, direction: str, spacing: float, i
     return lo, masses, p_inf
 
 
-def _step_spectrum(sigma, q, direction, spacing, i_low, i_high, n, tilt, dtype=np.float64, optimistic=False):
-    """Transform of one step's tilted grid distribution, placed circularly at index mod n.
+def _tilted_step(sigma, q, direction, spacing, i_low, i_high, tilt, optimistic=False):
+    """One step's tilted grid distribution: ``(first, tilted, p_inf, log_mgf)``.
 
-    Returns ``(spectrum, p_inf, log_mgf)``: the rfft (in ``dtype``) of ``m_k e^{tilt l_k} /
-    M`` with ``M = sum_k m_k e^{tilt l_k}`` over the finite part, the mass at +inf, and
-    ``log M``.
+    ``tilted[k]`` is ``m_k e^{tilt l_k} / M`` at loss ``(first + k) * spacing``, with
+    ``M = sum_k m_k e^{tilt l_k}`` over the finite part and ``log_mgf = log M``; ``p_inf``
+    is the mass at +inf.
     """
     first, masses, p_inf = _step_distribution(sigma, q, direction, spacing, i_low, i_high, optimistic)
     losses = (first + np.arange(masses.size)) * spacing
@@ -764,68 +763,137 @@ def _step_spectrum(sigma, q, direction, spacing, i_low, i_high, n, tilt, dtype=n
     peak = log_tilted.max()
     tilted = np.exp(log_tilted - peak)
     total = tilted.sum()
-    placed = np.zeros(n, dtype=dtype)
-    placed[(first + np.arange(masses.size)) % n] = tilted / total  # i_high - i_low < n
-    spectrum = scipy.fft.rfft(placed)
-    return spectrum, p_inf, peak + math.log(total)
+    return first, tilted / total, p_inf, peak + math.log(total)
 
 
 #: A power ``|F|^c`` at most e^-_DEAD is zero in float64 (its smallest positive number is
 #: about e^-745): the composed spectrum is exactly zero wherever one factor is that small.
 _DEAD = 800.0
 
-#: Bytes of truncated step spectra kept between calls (see :func:`_step_prefix`).
+#: Bytes of truncated step spectra kept between calls (see :func:`_step_prefixes`).
 _PREFIX_CACHE_BYTES = 256 * 2**20
 _prefix_cache: dict = {}  # insertion order = least recently used first
 _prefix_lock = threading.Lock()
 
+#: Grid points transformed at once: the transforms of a batch run as one 2-D transform,
+#: about three times faster per row than one at a time (vectorised across rows).
+_BATCH_POINTS = 2**22
 
-def _step_prefix(sigma, q, direction, spacing, i_low, i_high, n, tilt, dtype, optimistic, count):
-    r"""One step's spectrum up to the frequency beyond which its ``count``-th power is dead.
 
-    Returns ``(prefix, log_beyond, p_inf, log_mgf)``: the first entries of
-    :func:`_step_spectrum` and a bound ``log_beyond`` on :math:`\log|F_j|` for every
-    frequency ``j`` past the prefix, with ``count * log_beyond <= -_DEAD`` (or the whole
-    spectrum and ``-inf``). After many steps the composed distribution is wide and its
-    transform lives on a few hundred low frequencies out of ``n / 2``, so the prefix is
-    short: caching prefixes (keyed by the pair and the grid, at most
+def _step_prefixes(items, n: int, tilt: float, dtype, optimistic: bool) -> list:
+    r"""Each step's spectrum up to the frequency beyond which its ``count``-th power is dead.
+
+    ``items`` holds ``(sigma, q, direction, spacing, i_low, i_high, count)`` per step.
+    Returns, per step, ``(prefix, log_beyond, p_inf, log_mgf)``: the first entries of the
+    rfft (in ``dtype``) of the step's tilted distribution (:func:`_tilted_step`) placed
+    circularly at index mod ``n``, and a bound ``log_beyond`` on :math:`\log|F_j|` for
+    every frequency ``j`` past the prefix, with ``count * log_beyond <= -_DEAD`` (or the
+    whole spectrum and ``-inf``). After many steps the composed distribution is wide and
+    its transform lives on a few hundred low frequencies out of ``n / 2``, so the prefix
+    is short: caching prefixes (keyed by the pair and the grid, at most
     :data:`_PREFIX_CACHE_BYTES` in all) lets a ledger that grows by a step, or
     :func:`~dpoptim.accounting.max_steps`' search, re-use every transform it has seen.
     Truncation changes no computed value: every product past the prefix is below the
     smallest positive float64 (see :func:`_compose_direction` for the rounding bound).
+    The steps not found in the cache are transformed together, in batches.
     """
-    # keyed by the support, not the window: see _support
-    key = (sigma, q, direction, spacing, *_support(sigma, q, direction, spacing, i_low, i_high), n, tilt,
-           np.dtype(dtype).str, optimistic)
+    keys = [_prefix_key(item, n, tilt, dtype, optimistic) for item in items]
     with _prefix_lock:
-        entry = _prefix_cache.pop(key, None)
-    if entry is not None and not count * entry[1] <= -_DEAD:
-        entry = None  # cut for a longer run: this count needs more of the spectrum
-    if entry is None:
-        spectrum, p_inf, log_mgf = _step_spectrum(sigma, q, direction, spacing, i_low, i_high, n, tilt, dtype,
-                                                  optimistic)
-        # suffix maxima of |F|^2: the prefix ends where all that follows is dead, that is
-        # where count * log|F| <= -_DEAD (squares, so that no logarithm of the whole
-        # spectrum is taken)
-        squares = (spectrum.real * spectrum.real + spectrum.imag * spectrum.imag).astype(np.float64)
-        suffix = np.maximum.accumulate(squares[::-1])[::-1]
-        threshold = math.exp(-2.0 * _DEAD / count) if count >= 2 else -1.0
-        dead = np.flatnonzero(suffix <= threshold)
-        cut = int(dead[0]) if dead.size else spectrum.size
-        with np.errstate(divide="ignore"):
-            log_beyond = 0.5 * math.log(float(suffix[cut])) if cut < spectrum.size and suffix[cut] > 0 else -math.inf
-        if cut < spectrum.size and not count * log_beyond <= -_DEAD:  # rounding at the threshold
-            cut, log_beyond = spectrum.size, -math.inf
-        prefix = spectrum[: max(cut, 1)].copy()
-        prefix.setflags(write=False)
-        entry = (prefix, log_beyond, p_inf, log_mgf)
+        entries = [_prefix_cache.pop(key, None) for key in keys]
+    for i, (entry, item) in enumerate(zip(entries, items)):
+        if entry is not None and not item[-1] * entry[1] <= -_DEAD:
+            entries[i] = None  # cut for a longer run: this count needs more of the spectrum
+    missing = [i for i, entry in enumerate(entries) if entry is None]
+    rows = max(1, _BATCH_POINTS // (n * np.dtype(dtype).itemsize // 8))
+    for start in range(0, len(missing), rows):
+        chunk = missing[start:start + rows]
+        for i, entry in zip(chunk, _transform_batch([items[i] for i in chunk], n, tilt, dtype, optimistic)):
+            entries[i] = entry
     with _prefix_lock:
-        _prefix_cache[key] = entry
+        for key, entry in zip(keys, entries):
+            _prefix_cache[key] = entry
         size = sum(item[0].nbytes for item in _prefix_cache.values())
-        while size > _PREFIX_CACHE_BYTES and len(_prefix_cache) > 1:
+        while size > _PREFIX_CACHE_BYTES and len(_prefix_cache) > len(keys):
             oldest = next(iter(_prefix_cache))
             size -= _prefix_cache.pop(oldest)[0].nbytes
-    return entry
+    return entries
+
+
+def _prefix_key(item, n, tilt, dtype, optimistic) -> tuple:
+    """The cache key of a step's prefix: by the support, not the window (see :func:`_support`)."""
+    sigma, q, direction, spacing, i_low, i_high, _ = item
+    return (sigma, q, direction, spacing, *_support(sigma, q, direction, spacing, i_low, i_high), n, tilt,
+            np.dtype(dtype).str, optimistic)
+
+
+def _transform_batch(items, n: int, tilt: float, dtype, optimistic: bool) -> list:
+    """The entries of :func:`_step_prefixes` for ``items``, by one 2-D transform."""
+    placed, spectra = _buffers(len(items), n, dtype)
+    rest, where = [], []
+    for row, (sigma, q, direction, spacing, i_low, i_high, _) in enumerate(items):
+        first, tilted, p_inf, log_mgf = _tilted_step(sigma, q, direction, spacing, i_low, i_high, tilt, optimistic)
+        where.append((first + np.arange(tilted.size)) % n)  # i_high - i_low < n
+        placed[row, where[-1]] = tilted
+        rest.append((p_inf, log_mgf))
+    np.fft.rfft(placed, axis=1, out=spectra)
+    for row, columns in enumerate(where):
+        placed[row, columns] = 0.0  # the buffer is all zeros again for the next batch
+    counts = np.array([item[-1] for item in items])
+    entries = []
+    for row, (cut, log_beyond) in enumerate(_dead_cuts(spectra, counts)):
+        prefix = spectra[row, : max(cut, 1)].copy()
+        prefix.setflags(write=False)
+        entries.append((prefix, log_beyond, *rest[row]))
+    return entries
+
+
+_scratch = threading.local()
+
+
+def _buffers(rows: int, n: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Zeroed input rows and output rows for a batch of transforms, kept per thread.
+
+    Fresh arrays of this size cost more in page faults than the transform itself; the
+    input is left all zeros after each use (see :func:`_transform_batch`).
+    """
+    key = (n, np.dtype(dtype).str)
+    held = getattr(_scratch, "buffers", None)
+    if held is None or held[0] != key or held[1].shape[0] < rows:
+        size = max(rows, _BATCH_POINTS // n)
+        complex_type = np.result_type(dtype, np.complex64)
+        held = (key, np.zeros((size, n), dtype=dtype), np.empty((size, n // 2 + 1), dtype=complex_type))
+        _scratch.buffers = held
+    return held[1][:rows], held[2][:rows]
+
+
+def _dead_cuts(spectra: np.ndarray, counts: np.ndarray) -> list[tuple[int, float]]:
+    r"""Per row ``F`` of ``spectra`` with its count ``c``: ``(cut, log_beyond)``, the first
+    frequency past which :math:`c \log|F_j| \le -\_DEAD` for every ``j``, and the largest
+    :math:`\log|F_j|` there (``-inf`` if none; the whole row and ``-inf`` for ``c < 2``).
+
+    Moduli are compared with the threshold, so no logarithm of a whole row is taken; a
+    rounding at the threshold keeps the whole row.
+    """
+    size = spectra.shape[1]
+    modulus = np.empty(size, dtype=np.result_type(spectra.real.dtype, np.float64))
+    out = []
+    for row, count in enumerate(counts):
+        count = int(count)
+        if count < 2:
+            out.append((size, -math.inf))
+            continue
+        np.abs(spectra[row], out=modulus)
+        live = modulus > math.exp(-_DEAD / count)
+        last = size - 1 - int(np.argmax(live[::-1]))  # the last live frequency, if any
+        cut = last + 1 if live[last] else 0
+        log_beyond = -math.inf
+        if cut < size:
+            largest = float(modulus[cut:].max())
+            log_beyond = math.log(largest) if largest > 0 else -math.inf
+            if not count * log_beyond <= -_DEAD:  # rounding at the threshold
+                cut, log_beyond = size, -math.inf
+        out.append((cut, log_beyond))
+    return out
 
 
 # --- composition and the privacy profile -------------------------------------------
@@ -869,9 +937,9 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
     log_finite = cgf = 0.0
     total_steps = 0
     dead_log_weight = -math.inf  # bound on log of the weight below at frequencies cut off
-    for (sigma, q, count), top in zip(steps, grid.tops[direction]):
-        prefix, log_beyond, p_inf, log_mgf = _step_prefix(sigma, q, direction, spacing, grid.i_low, top, n, tilt,
-                                                          dtype, lower, count)
+    items = [(sigma, q, direction, spacing, grid.i_low, top, count)
+             for (sigma, q, count), top in zip(steps, grid.tops[direction])]
+    for (_, _, count), (prefix, log_beyond, p_inf, log_mgf) in zip(steps, _step_prefixes(items, n, tilt, dtype, lower)):
         prefixes.append((prefix, count))
         if log_beyond > -math.inf:
             dead_log_weight = max(dead_log_weight, (count - 1) * log_beyond)
@@ -889,7 +957,7 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
         power = _power(step, count, log_modulus)
         spectrum = power if spectrum is None else spectrum * power
         log_weight += (count - 1) * log_modulus.astype(np.float64)
-    composed = scipy.fft.irfft(spectrum, n)
+    composed = np.fft.irfft(spectrum, n)
     # Position k mod n holds composed index k; read the window i_low .. i_low + n - 1.
     # Rounding to float64 from here on is relative, entry by entry: harmless.
     tilted = np.roll(composed, -(grid.i_low % n)).astype(np.float64)
@@ -935,7 +1003,7 @@ def _rounding_allowance(n: int, total_steps: int, weight: np.ndarray, modulus: n
     stays well below this bound for 10^3 to 10^6 steps.
 
     ``weight`` and ``modulus`` may stop short of the ``n / 2 + 1`` frequencies of the
-    half-spectrum (see :func:`_step_prefix`): beyond, the modulus of the product is below
+    half-spectrum (see :func:`_step_prefixes`): beyond, the modulus of the product is below
     e^-_DEAD and the weight below ``e^dead_log_weight``, and both bounds enter the
     averages for every frequency cut off.
     """
