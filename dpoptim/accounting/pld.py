@@ -293,6 +293,8 @@ class _Grid:
     """Where and how finely the composed loss is represented.
 
     Losses are ``k * spacing``; the circular window holds indices ``i_low .. i_low + n - 1``.
+    ``bottoms[direction][r]`` (``None``: ``i_low`` for all) is the lowest grid index kept
+    for step ``r`` (its mass below is rounded up to it) and
     ``tops[direction][r]`` is the highest grid index kept for step ``r`` (its mass above goes
     to +inf), ``tail`` a certified bound on the composed mass beyond the window top and
     ``tilt`` the exponential tilt used in the transform (see :func:`_direction_epsilon`).
@@ -304,6 +306,7 @@ class _Grid:
     tops: dict
     tail: float
     tilt: float
+    bottoms: dict | None = None
 
 
 def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int, lower: bool = False) -> dict:
@@ -426,17 +429,53 @@ def _snap(n: int) -> int:
 
 def _rdp_grid(steps: tuple, tail: float, delta: float, n: int) -> _Grid:
     low, high, spacing = _window(steps, tail, n)
-    # The bottom snaps to a multiple of _snap(n) and every step keeps the whole window,
-    # so that nearby ledgers (one more step, max_steps' candidates) share the grid and
-    # with it the cached transforms. Keeping mass up to the window's end instead of
-    # ``high`` is sound: the wrap-around bound ``tail`` covers everything at or above
-    # ``high`` of the uncut distribution, which dominates the cut one.
+    # The bottom snaps to a multiple of _snap(n), so that nearby ledgers (one more step,
+    # max_steps' candidates) share the grid and with it the cached transforms. Keeping
+    # mass up to the window's end instead of ``high`` is sound: the wrap-around bound
+    # ``tail`` covers everything at or above ``high`` of the uncut distribution, which
+    # dominates the cut one.
     i_low = _snap(n) * math.floor(low / spacing / _snap(n))
-    tops = {direction: (i_low + n - 1,) * len(steps) for direction in (_REMOVE, _ADD)}
+    bottoms, tops = _tail_ends(steps, spacing, i_low, i_low + n - 1, tail)
     rdps = [_window_rdp(sigma, q) for sigma, q, _ in steps]
     lam = _WINDOW_ORDERS - 1.0
     cgf = sum(count * (lam * r + _log_spread(-lam, spacing)) for r, (_, _, count) in zip(rdps, steps))
-    return _Grid(spacing, i_low, n, tops, tail, _choose_tilt(lam, cgf, n * spacing, delta))
+    return _Grid(spacing, i_low, n, tops, tail, _choose_tilt(lam, cgf, n * spacing, delta), bottoms)
+
+
+def _tail_ends(steps: tuple, spacing: float, i_low: int, i_top: int, tail: float) -> tuple[dict, dict]:
+    r"""Per direction, the lowest and the highest grid index each step keeps.
+
+    Every component of P is :math:`N(m, \sigma^2)` with :math:`0 \le m \le 1` and the
+    loss increases with z, so P has mass at most :math:`\bar\Phi(k)` where the loss is
+    above its value at :math:`z = 1 + k\sigma`, and as much where it is below its value
+    at :math:`z = -k\sigma`. The mass above a step's top goes to :math:`+\infty`, where
+    it counts in full in delta, and the mass below its bottom is rounded up to it (a
+    loss rounded up never helps, :func:`_step_distribution`). ``k``
+    (:func:`_sigmas_out`) is chosen so that either mass, over the whole ledger, is at
+    most ``tail / 2`` (each run of ``c`` steps gets ``tail / (2 R c)`` per step, ``R`` the
+    runs); the window's top (:func:`_window_high`) allows for the mass rounded up. ``k``
+    is rounded up to a half so that a ledger grown by a step keeps its ends (and its
+    cached transforms). This drops the bins that only hold mass far below delta: about
+    half of a step's support.
+    """
+    per_run = tail / (2.0 * len(steps))
+    bottoms, tops = {}, {}
+    for direction in (_REMOVE, _ADD):
+        ends = []
+        for sigma, q, count in steps:
+            k = _sigmas_out(per_run / count)
+            low = float(_loss_of_z(-k * sigma, sigma, q, direction))
+            high = float(_loss_of_z(1.0 + k * sigma, sigma, q, direction))
+            ends.append((max(i_low, math.floor(low / spacing)), min(i_top, math.ceil(high / spacing))))
+        bottoms[direction] = tuple(bottom for bottom, _ in ends)
+        tops[direction] = tuple(top for _, top in ends)
+    return bottoms, tops
+
+
+def _sigmas_out(budget: float) -> float:
+    """The smallest half-integer k <= _GAUSS_TAIL with Phibar(k) <= budget (or _GAUSS_TAIL)."""
+    k = float(-ndtri(min(budget, 0.5)))
+    return min(_GAUSS_TAIL, math.ceil(2.0 * k) / 2.0) if math.isfinite(k) else _GAUSS_TAIL
 
 
 def _choose_tilt(lambdas: np.ndarray, cgf: np.ndarray, width: float, delta: float) -> float:
@@ -472,12 +511,15 @@ def _window_high(rdps, counts, tail, spacing, low) -> float:
     # Pr[S >= b] <= e^{-lambda b} E[e^{lambda S}], log E_P[e^{lambda L}] = lambda
     # D_{lambda+1}(P || Q) <= lambda rdp(lambda + 1), times the spread factor, plus the
     # mass pushed up to the lowest grid point: below the window bottom, at most e^{low}
-    # (Markov on e^{-L}); below the cut-off of the Gaussian components, at most 1e-37.
+    # (Markov on e^{-L}); below a step's bottom (_tail_ends, or the cut-off of the
+    # Gaussian components), at most max(tail / (2 R c), 1e-37) per step, and that mass
+    # lands on a loss <= 0.
     lam = _WINDOW_ORDERS - 1.0
-    pushed = np.logaddexp((1.0 + lam) * low, math.log(1e-37))
-    log_mgf = sum(
-        c * (lam * r + np.logaddexp(_log_spread(-lam, spacing), pushed - lam * r)) for r, c in zip(rdps, counts)
-    )
+    per_run = tail / (2.0 * len(counts))  # at most what _tail_ends rounds up below a step's bottom
+    log_mgf = 0.0
+    for r, c in zip(rdps, counts):
+        pushed = np.logaddexp((1.0 + lam) * low, math.log(max(1e-37, per_run / c)))
+        log_mgf = log_mgf + c * (lam * r + np.logaddexp(_log_spread(-lam, spacing), pushed - lam * r))
     candidates = (log_mgf - math.log(tail)) / lam
     return float(max(candidates.min(), low + 1.0))
 
@@ -669,12 +711,11 @@ def _log_gauss_bins(x: np.ndarray) -> np.ndarray:
     tail = log_ndtr(-np.abs(x))  # log of the smaller tail beyond each edge
     ta, tb = tail[:-1], tail[1:]
     # A bin on the right of 0 is Phibar(a) - Phibar(b), on the left Phi(b) - Phi(a): in
-    # both cases the larger tail minus the smaller, computed without cancellation.
-    right = x[:-1] >= 0
-    larger = np.where(right, ta, tb)
-    smaller = np.where(right, tb, ta)
+    # both cases the larger tail minus the smaller, computed without cancellation. The
+    # edges increase, so the larger tail is the one nearer 0: max(ta, tb).
     with np.errstate(divide="ignore", invalid="ignore"):
-        out = larger + np.log(-np.expm1(smaller - larger))
+        out = np.log(-np.expm1(-np.abs(tb - ta)))
+        out += np.maximum(ta, tb)
     across = np.flatnonzero((x[:-1] < 0) & (x[1:] > 0))  # the bin holding 0, if any
     out[across] = np.log1p(-(np.exp(ta[across]) + np.exp(tb[across])))
     out[np.isnan(out)] = -np.inf
@@ -937,8 +978,9 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
     log_finite = cgf = 0.0
     total_steps = 0
     dead_log_weight = -math.inf  # bound on log of the weight below at frequencies cut off
-    items = [(sigma, q, direction, spacing, grid.i_low, top, count)
-             for (sigma, q, count), top in zip(steps, grid.tops[direction])]
+    bottoms = grid.bottoms[direction] if grid.bottoms and not lower else (grid.i_low,) * len(steps)
+    items = [(sigma, q, direction, spacing, bottom, top, count)
+             for (sigma, q, count), bottom, top in zip(steps, bottoms, grid.tops[direction])]
     for (_, _, count), (prefix, log_beyond, p_inf, log_mgf) in zip(steps, _step_prefixes(items, n, tilt, dtype, lower)):
         prefixes.append((prefix, count))
         if log_beyond > -math.inf:
