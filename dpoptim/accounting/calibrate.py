@@ -195,7 +195,8 @@ def _solve(eps_of, target: float, start: float, close: bool = False, max_evaluat
 
 
 def _solve_with(f, target: float, floor: float, start: float, close: bool, slope: float) -> float:
-
+    """:func:`_solve` on the memoised ``f``: a feasible point up from ``start``, steps
+    down along a power law to an infeasible one, then :func:`_illinois`."""
     # Bracket: high feasible (eps <= target), low infeasible (eps > target).
     high = start
     while f(high) > target:
@@ -227,8 +228,13 @@ def _solve_with(f, target: float, floor: float, start: float, close: bool, slope
         low = step_down(high, previous)
         if low < 1e-9:
             return high
-    # Illinois regula falsi on g(x) = log eps(e^x) - log aim, decreasing in x, aimed at
-    # the middle of the accepted band so that a hit lands inside it.
+    return _illinois(f, target, floor, low, high)
+
+
+def _illinois(f, target: float, floor: float, low: float, high: float) -> float:
+    """Illinois regula falsi on g(x) = log eps(e^x) - log aim, decreasing in x, from the
+    bracket ``low`` (infeasible) .. ``high`` (feasible), aimed at the middle of the
+    accepted band so that a hit lands inside it; returns a feasible evaluated sigma."""
     aim = math.log(target * (1.0 - _CALIBRATION_TOLERANCE / 2))
 
     def g(sigma: float) -> float:
@@ -310,7 +316,15 @@ def max_steps(
     # answer settled on the accountant itself: k fits and k + 1 does not.
     if name != "pld" or steering_epsilon(base.runs, sigma, q, 0, delta, grid_points=_STEERING_GRID) is None:
         found = _search_steps(eps, budget, low, limit)
-        return UNLIMITED_STEPS if found >= limit else found
+    else:
+        found = _steered_search(eps, sigma, q, delta, budget, base, low, limit)
+    return UNLIMITED_STEPS if found >= limit else found
+
+
+def _steered_search(eps, sigma, q, delta, budget: float, base: Ledger, low: int, limit: int) -> int:
+    """:func:`max_steps` for the PLD: a search on :func:`steering_epsilon` (the ledger's
+    groups and a grid fixed over the candidates), its bias measured at its answer and
+    divided out, the search repeated, and the answer settled on ``eps`` itself."""
     # One grid for all candidates up to a cap, raised fourfold when passed. The cap starts
     # at four times a guess: the RDP count at the budget scaled by how much RDP
     # over-reports the ledger so far.
@@ -327,12 +341,12 @@ def max_steps(
 
     found = _search_steps(steer, budget, low, limit)
     if found >= limit:
-        return UNLIMITED_STEPS
+        return limit
     if found > 0:
         bias[0] = eps(found) / steer(found)
         found = _search_steps(steer, budget, found, limit, first_step=max(1, found // 64))
         if found >= limit:
-            return UNLIMITED_STEPS
+            return limit
     return _settle(eps, budget, found, limit)
 
 

@@ -349,6 +349,12 @@ def _merge_groups(items: list, max_distinct: int) -> list[int]:
     groups = _Groups(items)
     free = FREE_MERGE_SHARE * float(groups.weights.sum())
     spent = _premerge(groups, _PREMERGE_FACTOR * max_distinct) if len(items) > _PREMERGE_FACTOR * max_distinct else 0.0
+    return _greedy(groups, max_distinct, spent, free)
+
+
+def _greedy(groups: _Groups, max_distinct: int, spent: float, free: float) -> list[int]:
+    """The cheapest neighbour merge first, until at most ``max_distinct`` groups are left
+    and the next merge would bring the cost added (``spent`` so far) past ``free``."""
     n = groups.sizes.size
     sizes = groups.sizes.tolist()
     counts, weights = groups.counts.tolist(), groups.weights.tolist()

@@ -199,11 +199,7 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int, lower: bool = Fals
         return 0.0 if p0 <= delta else math.inf
     if p0 >= delta:
         return math.inf
-    shift = -math.log1p(-p0) * (1.0 + 1e-12) if p0 > 0 else 0.0
-    deltas = {_REMOVE: (delta - p0) / (1.0 - p0) * (1.0 - 1e-12) if p0 > 0 else delta, _ADD: delta}
-    if lower:
-        deltas[_REMOVE] = (delta - p0) / (1.0 - p0) if p0 > 0 else delta
-        shift = -math.log1p(-p0)
+    deltas, shift = _noisy_rest(delta, p0, lower)
     if not lower and not blind and len(noisy) == 1 and noisy[0].sample_rate < 1.0:
         # Tiny sigma: the Gaussian mixture bound is certified within 0.1% of the exact
         # epsilon by its own lower bound, and no PLD grid can do noticeably better.
@@ -226,18 +222,36 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int, lower: bool = Fals
         pld = 0.0 if lower else math.inf  # no PLD answer here: the other bounds stand
     if lower:
         return pld
-    rest_delta = (delta - p0) * (1.0 - 1e-12)
-    # The RDP bound holds at any set of orders. The coarse set of the window comes first
-    # (cached, cheap); the full set, which lowers it by a few percent at most, only where
-    # that could matter: within 10% of the PLD, on ledgers of a few distinct pairs.
+    return min(pld, _other_bounds(noisy, (delta - p0) * (1.0 - 1e-12), pld))
+
+
+def _noisy_rest(delta: float, p0: float, lower: bool) -> tuple[dict, float]:
+    """``(deltas, shift)``: the delta at which each direction of the noisy rest is read,
+    and the shift of the add direction's epsilon, when noiseless steps expose the
+    example with probability ``p0`` (see :func:`_pld_epsilon`); rounded against the
+    answer for the upper bound, exact for the lower one."""
+    if p0 == 0.0:
+        return {_REMOVE: delta, _ADD: delta}, 0.0
+    if lower:
+        return {_REMOVE: (delta - p0) / (1.0 - p0), _ADD: delta}, -math.log1p(-p0)
+    return {_REMOVE: (delta - p0) / (1.0 - p0) * (1.0 - 1e-12), _ADD: delta}, -math.log1p(-p0) * (1.0 + 1e-12)
+
+
+def _other_bounds(noisy: tuple, rest_delta: float, pld: float) -> float:
+    """The smallest of the other sound upper bounds on the noisy runs' epsilon at
+    ``rest_delta``: RDP, and the Gaussian mixture where it can win.
+
+    The RDP bound holds at any set of orders. The coarse set of the window comes first
+    (cached, cheap); the full set, which lowers it by a few percent at most, only where
+    that could matter: within 10% of the PLD, on ledgers of a few distinct pairs. The
+    mixture bound gives up the amplification by subsampling: it is above the exact
+    epsilon by far more than the PLD's slack unless sigma is small or q large. Leaving
+    out a sound bound is always sound.
+    """
     ledger = Ledger._trusted(noisy)
-    rdp_epsilon, _ = epsilon_from_rdp(ledger_rdp(ledger, _WINDOW_ORDERS), _WINDOW_ORDERS, rest_delta)
-    if rdp_epsilon < 1.1 * pld and len({run[:2] for run in noisy}) <= 4:
-        rdp_epsilon = min(rdp_epsilon, epsilon_from_rdp(ledger_rdp(ledger), DEFAULT_ORDERS, rest_delta)[0])
-    best = min(pld, rdp_epsilon)
-    # The mixture bound gives up the amplification by subsampling: it is above the exact
-    # epsilon by far more than the PLD's slack unless sigma is small or q large. Leaving
-    # out a sound bound is always sound.
+    best, _ = epsilon_from_rdp(ledger_rdp(ledger, _WINDOW_ORDERS), _WINDOW_ORDERS, rest_delta)
+    if best < 1.1 * pld and len({run[:2] for run in noisy}) <= 4:
+        best = min(best, epsilon_from_rdp(ledger_rdp(ledger), DEFAULT_ORDERS, rest_delta)[0])
     if min(run[0] for run in noisy) < 0.5 or max(run[1] for run in noisy) > 0.5:
         best = min(best, ledger_mixture_epsilon(noisy, rest_delta))
     return best
@@ -589,26 +603,37 @@ def _narrow_grid(steps: tuple, grid: _Grid, tail: float, delta: float):
         spacing = 2.0 ** math.ceil(math.log2((top_guess - low) / (grid.n - 2)))
         if spacing > grid.spacing / 2:
             return None
-        i_low = _snap(grid.n) * math.floor(low / spacing / _snap(grid.n))  # certified below
-        i_top = min(math.floor(top_guess / spacing), i_low + grid.n - 1)
-        tops = {d: tuple(min(i_top, math.ceil(c / spacing)) for c in cuts[d]) for d in cuts}
-        beyond = (i_low + grid.n) * spacing  # composed indices from here on would wrap
-        log_up = log_down = -math.inf
-        cgf_max = np.full(lambdas.shape, -np.inf)
-        for direction in (_REMOVE, _ADD):
-            cgf_up = cgf_down = 0.0
-            for (sigma, q, count), top in zip(steps, tops[direction]):
-                first, masses, _ = _step_distribution(sigma, q, direction, spacing, i_low, top)
-                cgf_up = cgf_up + count * _log_mgf(first, masses, spacing, lambdas)
-                cgf_down = cgf_down + count * _log_mgf(first, masses, spacing, -lambdas)
-            log_up = max(log_up, float((cgf_up - lambdas * beyond).min()))
-            log_down = max(log_down, float((cgf_down + lambdas * low).min()))
-            cgf_max = np.maximum(cgf_max, cgf_up)
-        # Mass below the window wraps to its top, where undoing the tilt shrinks it by
-        # e^{-tilt * width}: it can only raise delta, and here by a negligible amount.
-        tilt = _choose_tilt(lambdas, cgf_max, grid.n * spacing, delta)
-        if log_up <= math.log(tail) and log_down - tilt * grid.n * spacing <= math.log(16.0 * tail):
-            return _Grid(spacing, i_low, grid.n, tops, math.exp(log_up), tilt)
+        narrow = _certified_grid(steps, grid.n, spacing, low, top_guess, cuts, lambdas, tail, delta)
+        if narrow is not None:
+            return narrow
+    return None
+
+
+def _certified_grid(steps, n, spacing, low, top_guess, cuts, lambdas, tail, delta):
+    """The grid of :func:`_narrow_grid` for the window ``[low, top_guess]``, or None where
+    the exact moment generating functions of the grid distributions do not certify it:
+    at most ``tail`` composed mass at or beyond the top, and what wraps from below the
+    bottom negligible after undoing the tilt."""
+    i_low = _snap(n) * math.floor(low / spacing / _snap(n))  # certified below
+    i_top = min(math.floor(top_guess / spacing), i_low + n - 1)
+    tops = {d: tuple(min(i_top, math.ceil(c / spacing)) for c in cuts[d]) for d in cuts}
+    beyond = (i_low + n) * spacing  # composed indices from here on would wrap
+    log_up = log_down = -math.inf
+    cgf_max = np.full(lambdas.shape, -np.inf)
+    for direction in (_REMOVE, _ADD):
+        cgf_up = cgf_down = 0.0
+        for (sigma, q, count), top in zip(steps, tops[direction]):
+            first, masses, _ = _step_distribution(sigma, q, direction, spacing, i_low, top)
+            cgf_up = cgf_up + count * _log_mgf(first, masses, spacing, lambdas)
+            cgf_down = cgf_down + count * _log_mgf(first, masses, spacing, -lambdas)
+        log_up = max(log_up, float((cgf_up - lambdas * beyond).min()))
+        log_down = max(log_down, float((cgf_down + lambdas * low).min()))
+        cgf_max = np.maximum(cgf_max, cgf_up)
+    # Mass below the window wraps to its top, where undoing the tilt shrinks it by
+    # e^{-tilt * width}: it can only raise delta, and here by a negligible amount.
+    tilt = _choose_tilt(lambdas, cgf_max, n * spacing, delta)
+    if log_up <= math.log(tail) and log_down - tilt * n * spacing <= math.log(16.0 * tail):
+        return _Grid(spacing, i_low, n, tops, math.exp(log_up), tilt)
     return None
 
 
@@ -1010,19 +1035,26 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
     noise = _rounding_allowance(n, total_steps, np.exp(log_weight), np.abs(spectrum).astype(np.float64), unit,
                                 dead_log_weight)
     if lower:
-        # Composed mass below the window (at most (i_low - 1) h on the lattice) wraps to its top, where it would raise delta:
-        # subtract a Chernoff bound on it, from the exact moment generating function of
-        # the (optimistic) grid distributions composed. Mass above the window wraps to
-        # low losses, which can only lower delta: harmless for a lower bound.
-        lambdas = np.geomspace(1e-3, 1e3, 37)
-        log_down = np.zeros_like(lambdas)
-        for (sigma, q, count), top in zip(steps, grid.tops[direction]):
-            first, masses, _ = _step_distribution(sigma, q, direction, spacing, grid.i_low, top, True)
-            log_down = log_down + count * _log_mgf(first, masses, spacing, -lambdas)
-        below = math.exp(min(float((log_down + lambdas * (grid.i_low - 1) * spacing).min()), 0.0))
+        below = _below_window(steps, direction, grid)
         return _invert_profile(tilted, log_untilt, losses, -below, noise, delta, lower=True)
     constant = -math.expm1(log_finite) + grid.tail
     return _invert_profile(tilted, log_untilt, losses, constant, noise, delta)
+
+
+def _below_window(steps, direction, grid: _Grid) -> float:
+    """For lower bounds: a Chernoff bound on the composed optimistic mass below the window.
+
+    That mass (at most ``(i_low - 1) h`` on the lattice) wraps to the window's top, where
+    it would raise delta: the lower bound subtracts this bound on it, from the exact
+    moment generating function of the grid distributions composed. Mass above the window
+    wraps to low losses, which can only lower delta: harmless for a lower bound.
+    """
+    lambdas = np.geomspace(1e-3, 1e3, 37)
+    log_down = np.zeros_like(lambdas)
+    for (sigma, q, count), top in zip(steps, grid.tops[direction]):
+        first, masses, _ = _step_distribution(sigma, q, direction, grid.spacing, grid.i_low, top, True)
+        log_down = log_down + count * _log_mgf(first, masses, grid.spacing, -lambdas)
+    return math.exp(min(float((log_down + lambdas * (grid.i_low - 1) * grid.spacing).min()), 0.0))
 
 
 def _rounding_allowance(n: int, total_steps: int, weight: np.ndarray, modulus: np.ndarray, unit: float,
@@ -1107,14 +1139,7 @@ def _invert_profile(tilted, log_untilt, losses, constant, noise, delta, lower: b
             masses = np.maximum(masses - noise * np.exp(np.minimum(log_untilt, 700.0)), 0.0)
         noise = 0.0
     above = _suffix_sum(masses)
-    if losses[-1] - losses[first_valid] < 600.0:
-        reference = losses[first_valid]
-        with np.errstate(under="ignore"):
-            weighted = _suffix_sum(masses * np.exp(reference - losses)) * np.exp(losses - reference)
-    else:  # very wide windows (epsilon in the hundreds): the same sum in log space
-        with np.errstate(divide="ignore"):
-            inclusive = np.logaddexp.accumulate((np.log(masses) - losses)[::-1])[::-1]
-        weighted = np.exp(np.concatenate([inclusive[1:], [-np.inf]]) + losses)
+    weighted = _weighted_suffix_sum(masses, losses, first_valid)
     # noise * sum over j > k of e^{log_untilt_j}: a geometric series in closed form.
     decay = float(log_untilt[0] - log_untilt[1])  # tilt * spacing
     remaining = (n - 1 - np.arange(n)).astype(float)
@@ -1139,16 +1164,35 @@ def _invert_profile(tilted, log_untilt, losses, constant, noise, delta, lower: b
         return math.inf, True
     k = int(certified[0])
     excess = constant + allowance[k - 1] + above[k - 1] - delta
-    if not math.isfinite(excess) or weighted[k - 1] <= 0.0:
+    return _within_bin(excess, float(weighted[k - 1]), losses, k), not allowance[k - 1] <= delta / 100.0
+
+
+def _weighted_suffix_sum(masses: np.ndarray, losses: np.ndarray, first_valid: int) -> np.ndarray:
+    """out[k] = sum over j > k of m_j e^{l_k - l_j}, without overflow."""
+    if losses[-1] - losses[first_valid] < 600.0:
+        reference = losses[first_valid]
+        with np.errstate(under="ignore"):
+            return _suffix_sum(masses * np.exp(reference - losses)) * np.exp(losses - reference)
+    # very wide windows (epsilon in the hundreds): the same sum in log space
+    with np.errstate(divide="ignore"):
+        inclusive = np.logaddexp.accumulate((np.log(masses) - losses)[::-1])[::-1]
+    return np.exp(np.concatenate([inclusive[1:], [-np.inf]]) + losses)
+
+
+def _within_bin(excess: float, weighted: float, losses: np.ndarray, k: int) -> float:
+    r"""The epsilon in :math:`[l_{k-1}, l_k]` where the profile :math:`c + N + A -
+    e^{\varepsilon - l_{k-1}} W` meets delta: ``excess`` is :math:`c + N + A - \delta`
+    and ``weighted`` :math:`W`, both at :math:`l_{k-1}` (exact for the discrete
+    distribution; rounded to the bin's ends when not finite)."""
+    if not math.isfinite(excess) or weighted <= 0.0:
         epsilon = losses[k]
     elif excess <= 0.0:
         epsilon = losses[k - 1]
     else:
         with np.errstate(over="ignore"):
-            ratio = float(excess / weighted[k - 1])
+            ratio = float(excess / weighted)
         epsilon = losses[k - 1] + math.log(ratio) if ratio < math.inf else losses[k]
-    binding = not allowance[k - 1] <= delta / 100.0
-    return max(float(min(max(epsilon, losses[k - 1]), losses[k])), 0.0), binding
+    return max(float(min(max(epsilon, losses[k - 1]), losses[k])), 0.0)
 
 
 def _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, first_valid) -> tuple[float, bool]:
@@ -1192,18 +1236,8 @@ def _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, fir
             high = mid
         else:
             low = mid
-    k = high
-    allowance, a, weighted = terms(k - 1)
-    excess = constant + allowance + a - delta
-    if not math.isfinite(excess) or weighted <= 0.0:
-        epsilon = losses[k]
-    elif excess <= 0.0:
-        epsilon = losses[k - 1]
-    else:
-        ratio = excess / weighted
-        epsilon = losses[k - 1] + math.log(ratio) if ratio < math.inf else losses[k]
-    binding = not allowance <= delta / 100.0
-    return max(float(min(max(epsilon, losses[k - 1]), losses[k])), 0.0), binding
+    allowance, a, weighted = terms(high - 1)
+    return _within_bin(constant + allowance + a - delta, weighted, losses, high), not allowance <= delta / 100.0
 
 
 def _suffix_sum(values: np.ndarray) -> np.ndarray:
