@@ -295,7 +295,7 @@ def max_steps(
     base = Ledger(ledger)
 
     def eps(k: int) -> float:
-        return epsilon_of_ledger(base.compose(sigma, q, k).runs, delta, name)
+        return epsilon_of_ledger(base.compose(sigma, q, k), delta, name)
 
     if eps(0) > budget:
         return 0
@@ -314,7 +314,7 @@ def max_steps(
     # candidate costs one power of one cached transform). Its bias is then measured at
     # its answer against the accountant and divided out, the search repeated, and the
     # answer settled on the accountant itself: k fits and k + 1 does not.
-    if name != "pld" or steering_epsilon(base.runs, sigma, q, 0, delta, grid_points=_STEERING_GRID) is None:
+    if name != "pld" or steering_epsilon(base, sigma, q, 0, delta, grid_points=_STEERING_GRID) is None:
         found = _search_steps(eps, budget, low, limit)
     else:
         found = _steered_search(eps, sigma, q, delta, budget, base, low, limit)
@@ -328,7 +328,7 @@ def _steered_search(eps, sigma, q, delta, budget: float, base: Ledger, low: int,
     # One grid for all candidates up to a cap, raised fourfold when passed. The cap starts
     # at four times a guess: the RDP count at the budget scaled by how much RDP
     # over-reports the ledger so far.
-    ratio = epsilon_of_ledger(base.runs, delta, "rdp") / max(eps(0), 1e-300) if base.steps else 1.0
+    ratio = epsilon_of_ledger(base, delta, "rdp") / max(eps(0), 1e-300) if base.steps else 1.0
     guess = _max_steps_rdp(sigma, q, delta, budget * min(max(ratio, 1.0), 4.0), base, limit)
     cap = [4 * max(low, guess, 16)]
     bias = [1.0]
@@ -336,7 +336,7 @@ def _steered_search(eps, sigma, q, delta, budget: float, base: Ledger, low: int,
     def steer(k: int) -> float:
         if k > cap[0]:
             cap[0] = 4 * k
-        value = steering_epsilon(base.runs, sigma, q, k, delta, grid_count=cap[0], grid_points=_STEERING_GRID)
+        value = steering_epsilon(base, sigma, q, k, delta, grid_count=cap[0], grid_points=_STEERING_GRID)
         return value * bias[0]
 
     found = _search_steps(steer, budget, low, limit)

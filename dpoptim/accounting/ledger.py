@@ -213,7 +213,12 @@ def coarsen_runs(runs, max_distinct: int | None = None, *, optimistic: bool = Fa
     benchmarks (never for reporting).
     """
     max_distinct = MAX_DISTINCT_RUNS if max_distinct is None else max_distinct
-    key = tuple((float(sigma), float(q), int(count)) for sigma, q, count in runs)
+    if isinstance(runs, Ledger):
+        runs = runs.runs
+    if isinstance(runs, tuple) and all(type(run) is Run for run in runs):
+        key = runs  # validated: floats and ints already
+    else:
+        key = tuple((float(sigma), float(q), int(count)) for sigma, q, count in runs)
     return list(_coarsen(key, max_distinct, optimistic))
 
 

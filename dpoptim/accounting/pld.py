@@ -603,27 +603,36 @@ def _narrow_grid(steps: tuple, grid: _Grid, tail: float, delta: float):
         spacing = 2.0 ** math.ceil(math.log2((top_guess - low) / (grid.n - 2)))
         if spacing > grid.spacing / 2:
             return None
-        narrow = _certified_grid(steps, grid.n, spacing, low, top_guess, cuts, lambdas, tail, delta)
+        narrow = _certified_grid(steps, grid.n, spacing, low, top_guess, (floors, cuts), lambdas, tail, delta)
         if narrow is not None:
             return narrow
     return None
 
 
-def _certified_grid(steps, n, spacing, low, top_guess, cuts, lambdas, tail, delta):
+def _certified_grid(steps, n, spacing, low, top_guess, ends, lambdas, tail, delta):
     """The grid of :func:`_narrow_grid` for the window ``[low, top_guess]``, or None where
     the exact moment generating functions of the grid distributions do not certify it:
     at most ``tail`` composed mass at or beyond the top, and what wraps from below the
-    bottom negligible after undoing the tilt."""
+    bottom negligible after undoing the tilt.
+
+    ``ends`` holds per direction each step's floor and cut losses: its mass below the
+    floor is rounded up to the floor's grid point (a loss rounded up never helps), its
+    mass above the cut goes to +inf. The certificates are computed from exactly the
+    distributions that will be composed, so they hold whatever the floors.
+    """
+    floors, cuts = ends
     i_low = _snap(n) * math.floor(low / spacing / _snap(n))  # certified below
     i_top = min(math.floor(top_guess / spacing), i_low + n - 1)
     tops = {d: tuple(min(i_top, math.ceil(c / spacing)) for c in cuts[d]) for d in cuts}
+    bottoms = {d: tuple(min(max(i_low, math.floor(f / spacing)), top) for f, top in zip(floors[d], tops[d]))
+               for d in floors}
     beyond = (i_low + n) * spacing  # composed indices from here on would wrap
     log_up = log_down = -math.inf
     cgf_max = np.full(lambdas.shape, -np.inf)
     for direction in (_REMOVE, _ADD):
         cgf_up = cgf_down = 0.0
-        for (sigma, q, count), top in zip(steps, tops[direction]):
-            first, masses, _ = _step_distribution(sigma, q, direction, spacing, i_low, top)
+        for (sigma, q, count), bottom, top in zip(steps, bottoms[direction], tops[direction]):
+            first, masses, _ = _step_distribution(sigma, q, direction, spacing, bottom, top)
             cgf_up = cgf_up + count * _log_mgf(first, masses, spacing, lambdas)
             cgf_down = cgf_down + count * _log_mgf(first, masses, spacing, -lambdas)
         log_up = max(log_up, float((cgf_up - lambdas * beyond).min()))
@@ -633,7 +642,7 @@ def _certified_grid(steps, n, spacing, low, top_guess, cuts, lambdas, tail, delt
     # e^{-tilt * width}: it can only raise delta, and here by a negligible amount.
     tilt = _choose_tilt(lambdas, cgf_max, n * spacing, delta)
     if log_up <= math.log(tail) and log_down - tilt * n * spacing <= math.log(16.0 * tail):
-        return _Grid(spacing, i_low, n, tops, math.exp(log_up), tilt)
+        return _Grid(spacing, i_low, n, tops, math.exp(log_up), tilt, bottoms)
     return None
 
 
@@ -697,16 +706,51 @@ def _loss_log_mgf(sigma, q, direction, floor: float, cut: float, lambdas: np.nda
 
 
 def _log_mgf(first: int, masses: np.ndarray, spacing: float, lambdas: np.ndarray) -> np.ndarray:
-    """log sum_k m_k e^{lambda l_k} over the finite part, for each lambda."""
+    r"""An upper bound on :math:`\log \sum_k m_k e^{\lambda l_k}` over the finite part, for
+    each lambda (it certifies windows: :func:`_certified_grid`, :func:`_below_window`).
+
+    The support is cut into blocks of :data:`_MGF_BLOCK` bins; within a block the sum is
+    a product of the masses (scaled by the block's largest) with
+    :math:`e^{\lambda h (j - c)}` (``c`` the block's centre), one matrix product for all
+    blocks and lambdas, and the blocks are added in log space. Each block sum is a sum of
+    positive terms, accurate to a relative ``_MGF_BLOCK`` unit round-offs, and the log-sum
+    of the blocks to a few round-offs of its size: the result is raised by
+    ``1e-12 (1 + |result|)`` to cover both. Lambdas whose factors could overflow
+    (:math:`|\lambda| h c > 600`) are summed entry by entry in log space instead.
+    """
+    lambdas = np.asarray(lambdas, dtype=float)
     support = np.flatnonzero(masses > 0)
-    losses = (first + support) * spacing
-    log_masses = np.log(masses[support])
+    if support.size == 0:
+        return np.full(lambdas.shape, -np.inf)
+    start = int(support[0])
+    kept = masses[start:int(support[-1]) + 1]
+    blocks = -(-kept.size // _MGF_BLOCK)
+    padded = np.zeros(blocks * _MGF_BLOCK)
+    padded[: kept.size] = kept
+    padded = padded.reshape(blocks, _MGF_BLOCK)
+    largest = padded.max(axis=1)
+    rows = np.flatnonzero(largest > 0)
+    centre = (_MGF_BLOCK - 1) / 2.0
     out = np.empty(lambdas.shape)
-    for k, lam in enumerate(lambdas):
-        exponent = lam * losses + log_masses
+    blocked = np.abs(lambdas) * spacing * centre <= 600.0
+    if blocked.any():
+        rates = lambdas[blocked] * spacing
+        factors = np.exp(np.outer(np.arange(_MGF_BLOCK) - centre, rates))
+        sums = (padded[rows] / largest[rows, None]) @ factors
+        centres = first + start + rows * _MGF_BLOCK + centre
+        with np.errstate(divide="ignore"):
+            terms = np.log(sums) + np.log(largest[rows])[:, None] + np.outer(centres, rates)
+        peak = terms.max(axis=0)
+        out[blocked] = peak + np.log(np.exp(terms - peak).sum(axis=0))
+    for k in np.flatnonzero(~blocked):
+        exponent = lambdas[k] * (first + support) * spacing + np.log(masses[support])
         peak = exponent.max()
         out[k] = peak + math.log(np.exp(exponent - peak).sum())
-    return out
+    return out + 1e-12 * (1.0 + np.abs(out))
+
+
+#: Bins per block of :func:`_log_mgf`.
+_MGF_BLOCK = 128
 
 
 # --- one step on the grid --------------------------------------------------------------
