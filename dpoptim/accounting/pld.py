@@ -43,8 +43,13 @@ the transform's rounding noise is small relative to what is read there even for
 After many steps the composed transform lives on a few hundred low frequencies: each
 step's transform is kept (and cached between calls, keyed by the pair and the grid) only
 up to the frequency past which its power is below the smallest float64, which changes no
-computed value (:func:`_step_prefixes`). Grid bottoms snap to a 512th of the window, so a
-ledger that grows by a step usually keeps its grid and re-uses every cached transform.
+computed value (:func:`_step_prefixes`). The transforms not found in the cache run
+together, as one 2-D transform per batch. Grid bottoms snap to a 64th of the window, so
+a ledger that grows by a step usually keeps its grid and re-uses every cached transform.
+Each step keeps only the grid points between where its loss reaches
+:math:`z = -k\sigma` and :math:`z = 1 + k\sigma` (:func:`_tail_ends`), with ``k`` set so
+that the mass beyond, over the whole ledger, is at most ``delta / 131072``: above, it
+goes to :math:`+\infty` (counted in full), below, it is rounded up.
 
 **The window.** The grid is a window :math:`[a, b)` of ``n`` points of spacing ``h``
 (a power of two). Its edges come from Chernoff bounds,
