@@ -155,12 +155,38 @@ def _gdp_guess(target: float, delta: float, q: float, steps: int) -> float:
 
 
 def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: float) -> float:
-    """The accountant's own search from the coarse answer ``start``, told the local slope
-    of log epsilon against log sigma (from the coarse PLD, 2% lower): where epsilon
-    falls steeply (tiny q) the first step down then lands near the answer."""
-    low, high = (pld_epsilon([(sigma, q, steps)], delta, _COARSE_GRID) for sigma in (0.98 * start, start))
+    """The accountant's own search from the coarse answer ``start``.
+
+    The coarse PLD's bias is measured at ``start`` (one evaluation of the accountant) and
+    divided out, and the coarse PLD so corrected is solved again (cheap): the accountant's
+    search then starts next to its answer, and is told the local slope of log epsilon
+    against log sigma (between the accountant's two points, else from the coarse PLD, 2%
+    lower), so that where epsilon falls steeply (tiny q) a step lands near the answer. Only points evaluated with the accountant
+    itself are returned (see :func:`_solve`).
+    """
+    known: dict[float, float] = {}
+
+    def accountant(sigma: float) -> float:
+        if sigma not in known:
+            known[sigma] = eps_of(sigma)
+        return known[sigma]
+
+    def coarse(sigma: float) -> float:
+        return pld_epsilon([(sigma, q, steps)], delta, _COARSE_GRID)
+
+    low, high = coarse(0.98 * start), coarse(start)
     slope = math.log(low / high) / -math.log(0.98) if 0 < high < low < math.inf else 2.0
-    return _solve(eps_of, target, start, close=True, slope=min(max(slope, 1.0), 50.0))
+    slope = min(max(slope, 1.0), 50.0)
+    value = accountant(start)
+    aimed = start
+    if 0 < value < math.inf and 0 < high < math.inf:
+        ratio = value / high
+        aimed = _solve(lambda sigma: coarse(sigma) * ratio, target, start, close=True, max_evaluations=8,
+                       slope=slope)
+        there = accountant(aimed)
+        if aimed != start and 0 < there < math.inf:  # the accountant's own slope between its two points
+            slope = min(max(math.log(there / value) / math.log(start / aimed), 1.0), 50.0)
+    return _solve(accountant, target, aimed, close=True, slope=slope)
 
 
 def _solve(eps_of, target: float, start: float, close: bool = False, max_evaluations: int = 0,

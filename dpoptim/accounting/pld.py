@@ -809,9 +809,16 @@ def _support(sigma: float, q: float, direction: str, spacing: float, i_low: int,
     return lo, hi
 
 
-@functools.lru_cache(maxsize=32)
 def _step_distribution(sigma: float, q: float, direction: str, spacing: float, i_low: int, i_high: int,
                        optimistic: bool = False):
+    """:func:`_grid_distribution`, cached under one key whichever way it is called (the
+    windows certified in :func:`_certified_grid` are then not computed again to compose)."""
+    return _grid_distribution(sigma, q, direction, spacing, i_low, i_high, bool(optimistic))
+
+
+@functools.lru_cache(maxsize=32)
+def _grid_distribution(sigma: float, q: float, direction: str, spacing: float, i_low: int, i_high: int,
+                       optimistic: bool):
     r"""Connect-the-dots loss distribution of one step on grid points i_low..i_high.
 
     Returns ``(first, masses, p_inf)``: ``masses[k]`` is the P-mass at loss
