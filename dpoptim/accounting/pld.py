@@ -105,6 +105,7 @@ import dataclasses
 import functools
 import math
 import threading
+from typing import NamedTuple
 
 import numpy as np
 
@@ -279,7 +280,7 @@ def steering_epsilon(base, sigma: float, q: float, count: int, delta: float, gri
     steps = groups + ((sigma, q, max(count, 1)),)
     try:
         grid = _steering_grid(groups, sigma, q, max(count, grid_count, 1), delta, grid_points)
-        return max(_direction_epsilon(steps, direction, grid, delta) for direction in (_REMOVE, _ADD))
+        return max(_direction_epsilon(steps, direction, grid, delta, head=len(groups)) for direction in (_REMOVE, _ADD))
     except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
         return None
 
@@ -1021,17 +1022,17 @@ def _dead_cuts(spectra: np.ndarray, counts: np.ndarray) -> list[tuple[int, float
 # --- composition and the privacy profile -------------------------------------------
 
 
-def _direction_epsilon(steps, direction, grid: _Grid, delta) -> float:
+def _direction_epsilon(steps, direction, grid: _Grid, delta, head: int = 0) -> float:
     """Epsilon of one direction; in extended precision when rounding decides the answer.
 
     Where the floating-point allowance makes up a noticeable part of delta at the answer
     (tiny q with tiny delta, or billions of steps), the composition is repeated in the
     platform's extended precision (80-bit on x86), whose allowance is ~2000 times smaller.
-    Both results are sound; the smaller is returned.
+    Both results are sound; the smaller is returned. ``head``: see :func:`_compose_direction`.
     """
-    epsilon, binding = _compose_direction(steps, direction, grid, delta, np.float64)
+    epsilon, binding = _compose_direction(steps, direction, grid, delta, np.float64, head=head)
     if binding and _EXTENDED_U < _U:
-        epsilon = min(epsilon, _compose_direction(steps, direction, grid, delta, np.longdouble)[0])
+        epsilon = min(epsilon, _compose_direction(steps, direction, grid, delta, np.longdouble, head=head)[0])
     return epsilon
 
 
@@ -1043,7 +1044,8 @@ def _direction_lower(steps, direction, grid: _Grid, delta) -> float:
     return epsilon
 
 
-def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool = False) -> tuple[float, bool]:
+def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool = False,
+                       head: int = 0) -> tuple[float, bool]:
     r"""Compose by FFT, undo the tilt, invert the profile: ``(epsilon, rounding_binding)``.
 
     The transform works on the *tilted* distributions :math:`\tilde m_k \propto m_k
@@ -1053,16 +1055,57 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
     what is read. Undoing the tilt multiplies entry ``k`` by :math:`e^{K - \theta l_k}`, with
     ``K`` the composed log moment generating function, and the noise with it; the profile
     adds that noise as an allowance, entry by entry (see :func:`_rounding_allowance`).
+
+    ``head > 0`` says that the first ``head`` steps recur with this grid (the fixed groups
+    of :func:`steering_epsilon`): their product is kept between calls (:func:`_head_product`)
+    and only the rest is composed anew, in the same order, so the value is the same.
     """
-    n, spacing, tilt = grid.n, grid.spacing, grid.tilt
-    prefixes = []
-    log_finite = cgf = 0.0
-    total_steps = 0
-    dead_log_weight = -math.inf  # bound on log of the weight below at frequencies cut off
+    n, spacing = grid.n, grid.spacing
     bottoms = grid.bottoms[direction] if grid.bottoms and not lower else (grid.i_low,) * len(steps)
     items = [(sigma, q, direction, spacing, bottom, top, count)
              for (sigma, q, count), bottom, top in zip(steps, bottoms, grid.tops[direction])]
-    for (_, _, count), (prefix, log_beyond, p_inf, log_mgf) in zip(steps, _step_prefixes(items, n, tilt, dtype, lower)):
+    if 0 < head < len(steps):
+        parts = _joined(_head_product(tuple(items[:head]), grid, dtype, lower), _product(items[head:], grid, dtype, lower))
+    else:
+        parts = _product(items, grid, dtype, lower)
+    composed = np.fft.irfft(parts.spectrum, n)
+    # Position k mod n holds composed index k; read the window i_low .. i_low + n - 1.
+    # Rounding to float64 from here on is relative, entry by entry: harmless.
+    tilted = np.roll(composed, -(grid.i_low % n)).astype(np.float64)
+    np.maximum(tilted, 0.0, out=tilted)  # negative rounding noise: covered by the allowance
+    losses = (grid.i_low + np.arange(n)) * spacing
+    log_untilt = parts.cgf - grid.tilt * losses
+    unit = float(np.finfo(dtype).eps) / 2
+    noise = _rounding_allowance(n, parts.total_steps, np.exp(parts.log_weight),
+                                np.abs(parts.spectrum).astype(np.float64), unit, parts.dead_log_weight)
+    if lower:
+        below = _below_window(steps, direction, grid)
+        return _invert_profile(tilted, log_untilt, losses, -below, noise, delta, lower=True)
+    constant = -math.expm1(parts.log_finite) + grid.tail
+    return _invert_profile(tilted, log_untilt, losses, constant, noise, delta)
+
+
+class _Product(NamedTuple):
+    """The composed (tilted) transform of some steps, up to the frequency where it dies,
+    with what the rounding allowance and the profile need of them."""
+
+    spectrum: np.ndarray  # prod_r F_r^{c_r}
+    log_weight: np.ndarray  # sum_r (c_r - 1) log|F_r|
+    dead_log_weight: float  # bound on log of the weight at frequencies cut off
+    log_finite: float  # log of the chance that no step's loss is +inf
+    cgf: float  # sum_r c_r log M_r (the tilt's normalisations)
+    total_steps: int
+
+
+def _product(items, grid: _Grid, dtype, lower: bool) -> _Product:
+    """:class:`_Product` of the steps in ``items`` (see :func:`_step_prefixes`)."""
+    prefixes = []
+    log_finite = cgf = 0.0
+    total_steps = 0
+    dead_log_weight = -math.inf
+    for item, (prefix, log_beyond, p_inf, log_mgf) in zip(items, _step_prefixes(items, grid.n, grid.tilt, dtype,
+                                                                                 lower)):
+        count = item[-1]
         prefixes.append((prefix, count))
         if log_beyond > -math.inf:
             dead_log_weight = max(dead_log_weight, (count - 1) * log_beyond)
@@ -1080,21 +1123,35 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
         power = _power(step, count, log_modulus)
         spectrum = power if spectrum is None else spectrum * power
         log_weight += (count - 1) * log_modulus.astype(np.float64)
-    composed = np.fft.irfft(spectrum, n)
-    # Position k mod n holds composed index k; read the window i_low .. i_low + n - 1.
-    # Rounding to float64 from here on is relative, entry by entry: harmless.
-    tilted = np.roll(composed, -(grid.i_low % n)).astype(np.float64)
-    np.maximum(tilted, 0.0, out=tilted)  # negative rounding noise: covered by the allowance
-    losses = (grid.i_low + np.arange(n)) * spacing
-    log_untilt = cgf - tilt * losses
-    unit = float(np.finfo(dtype).eps) / 2
-    noise = _rounding_allowance(n, total_steps, np.exp(log_weight), np.abs(spectrum).astype(np.float64), unit,
-                                dead_log_weight)
-    if lower:
-        below = _below_window(steps, direction, grid)
-        return _invert_profile(tilted, log_untilt, losses, -below, noise, delta, lower=True)
-    constant = -math.expm1(log_finite) + grid.tail
-    return _invert_profile(tilted, log_untilt, losses, constant, noise, delta)
+    return _Product(spectrum, log_weight, dead_log_weight, log_finite, cgf, total_steps)
+
+
+def _joined(first: _Product, second: _Product) -> _Product:
+    """The product of the steps of both, as :func:`_product` of all of them in order would
+    compute it: past the shorter spectrum one factor is dead, so the product is too."""
+    alive = min(first.spectrum.size, second.spectrum.size)
+    return _Product(first.spectrum[:alive] * second.spectrum[:alive],
+                    first.log_weight[:alive] + second.log_weight[:alive],
+                    max(first.dead_log_weight, second.dead_log_weight), first.log_finite + second.log_finite,
+                    first.cgf + second.cgf, first.total_steps + second.total_steps)
+
+
+_head_cache: dict = {}  # (items, grid id, dtype, lower) -> (grid, _Product); 8 at most
+
+
+def _head_product(items: tuple, grid: _Grid, dtype, lower: bool) -> _Product:
+    """:func:`_product`, kept for the last few (items, grid) asked."""
+    key = (items, id(grid), np.dtype(dtype).str, lower)
+    with _prefix_lock:
+        hit = _head_cache.get(key)
+    if hit is not None and hit[0] is grid:
+        return hit[1]
+    product = _product(list(items), grid, dtype, lower)
+    with _prefix_lock:
+        _head_cache[key] = (grid, product)
+        while len(_head_cache) > 8:
+            _head_cache.pop(next(iter(_head_cache)))
+    return product
 
 
 def _below_window(steps, direction, grid: _Grid) -> float:
