@@ -181,8 +181,11 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
     aimed = start
     if 0 < value < math.inf and 0 < high < math.inf:
         ratio = value / high
-        aimed = _solve(lambda sigma: coarse(sigma) * ratio, target, start, close=True, max_evaluations=8,
-                       slope=slope)
+        try:
+            aimed = _solve(lambda sigma: coarse(sigma) * ratio, target, start, close=True, max_evaluations=8,
+                           slope=slope)
+        except ValueError:  # the corrected coarse PLD never meets the target: start from start
+            aimed = start
         there = accountant(aimed)
         if aimed != start and 0 < there < math.inf:  # the accountant's own slope between its two points
             slope = min(max(math.log(there / value) / math.log(start / aimed), 1.0), 50.0)

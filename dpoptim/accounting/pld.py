@@ -953,14 +953,17 @@ def _transform_batch(items, n: int, tilt: float, dtype, optimistic: bool) -> lis
     """The entries of :func:`_step_prefixes` for ``items``, by one 2-D transform."""
     placed, spectra = _buffers(len(items), n, dtype)
     rest, where = [], []
-    for row, (sigma, q, direction, spacing, i_low, i_high, _) in enumerate(items):
-        first, tilted, p_inf, log_mgf = _tilted_step(sigma, q, direction, spacing, i_low, i_high, tilt, optimistic)
-        where.append((first + np.arange(tilted.size)) % n)  # i_high - i_low < n
-        placed[row, where[-1]] = tilted
-        rest.append((p_inf, log_mgf))
-    np.fft.rfft(placed, axis=1, out=spectra)
-    for row, columns in enumerate(where):
-        placed[row, columns] = 0.0  # the buffer is all zeros again for the next batch
+    try:
+        for row, (sigma, q, direction, spacing, i_low, i_high, _) in enumerate(items):
+            first, tilted, p_inf, log_mgf = _tilted_step(sigma, q, direction, spacing, i_low, i_high, tilt,
+                                                         optimistic)
+            where.append((first + np.arange(tilted.size)) % n)  # i_high - i_low < n
+            placed[row, where[-1]] = tilted
+            rest.append((p_inf, log_mgf))
+        np.fft.rfft(placed, axis=1, out=spectra)
+    finally:
+        for row, columns in enumerate(where):
+            placed[row, columns] = 0.0  # the buffer is all zeros again for the next batch, whatever happened
     counts = np.array([item[-1] for item in items])
     entries = []
     for row, (cut, log_beyond) in enumerate(_dead_cuts(spectra, counts)):
