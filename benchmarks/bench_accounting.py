@@ -3,6 +3,7 @@
     python -m benchmarks.bench_accounting              # timings and epsilons
     python -m benchmarks.bench_accounting --bracket    # also rigorous lower bounds (slow)
     python -m benchmarks.bench_accounting --repeat 5   # more repetitions per timed row
+    python -m benchmarks.bench_accounting --groups     # the schedule at several group limits
 
 Timed rows use a noise multiplier no cache has seen (a tiny offset). Wall and CPU time are
 both shown: on a busy machine the wall time of a single-threaded computation grows with
@@ -179,6 +180,26 @@ def _growing_and_max_steps(repeat: int) -> None:
         print(f"| {label}: max_steps within +2% of the budget | {value} | {wall:.2f} | {cpu:.2f} | |", flush=True)
 
 
+def _grouping_tradeoff() -> None:
+    """The 10^4-run schedule at several limits on the number of groups: epsilon and the
+    CPU time of a first evaluation (no cache has seen the ledger)."""
+    from dpoptim.accounting import ledger as ledger_module
+
+    print()
+    print("| 10^4-run schedule, groups | epsilon | wall s | cpu s |")
+    print("| --- | --- | --- | --- |")
+    default = ledger_module.MAX_DISTINCT_RUNS
+    try:
+        for limit in (16, 32, 64, 128, 256):
+            ledger_module.MAX_DISTINCT_RUNS = limit
+            ledger = [(_fresh(s), q, c) for s, q, c in schedule_ledger()]
+            value, wall, cpu = _time(lambda: epsilon_of_ledger(ledger, 1e-5), 1)
+            print(f"| {limit}{' (default)' if limit == default else ''} | {_show(value)} | {wall:.2f} | {cpu:.2f} |",
+                  flush=True)
+    finally:
+        ledger_module.MAX_DISTINCT_RUNS = default
+
+
 def _show(value) -> str:
     if isinstance(value, str):
         return value
@@ -191,8 +212,12 @@ def main(argv=None) -> int:
     parser.add_argument("--bracket", action="store_true", help="add rigorous lower bounds (slow)")
     parser.add_argument("--peers", action="store_true", help="add dp_accounting and Opacus PRV if installed")
     parser.add_argument("--only", default="", help="run only rows whose label contains this text")
+    parser.add_argument("--groups", action="store_true", help="only: the schedule at several group limits")
     args = parser.parse_args(argv)
     epsilon_of_ledger([(1.0, 0.01, 1000)], 1e-5)  # warm up: imports, FFT plans, order layout
+    if args.groups:
+        _grouping_tradeoff()
+        return 0
 
     print("| case | epsilon | wall s | cpu s | target s | lower bound | gap |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -232,7 +257,7 @@ def main(argv=None) -> int:
         spent = epsilon_of_ledger([(sigma, 0.01, 1000)], 1e-5)
         goal = "2" if 1e-4 <= target <= 1e4 else ""
         print(f"| target {target:g} | {_show(sigma)} | {_show(spent)} | {wall:.2f} | {cpu:.2f} | {goal} |", flush=True)
-    for target in (1e-4, 1.0, 1e2, 1e4):  # tiny q: the slowest PLD evaluations
+    for target in (1e-4, 1e-3, 1e-2, 1.0, 1e2, 1e4):  # tiny q: the slowest PLD evaluations
         if args.only and args.only not in "calibrate":
             continue
         sigma, wall, cpu = _time(lambda: calibrate_noise(_fresh(target), 1e-5, 1e-6, 1000), args.repeat)

@@ -486,3 +486,23 @@ def test_calibrate_and_max_steps_reject_bad_arguments():
         epsilon_of_ledger([(1.0, 0.01, -1)], DELTA)
     with pytest.raises(ValueError, match="orders"):
         rdp_subsampled_gaussian(1.0, 0.1, [0.5, 2])
+
+
+def test_building_an_optimizer_does_not_import_scipy():
+    # scipy costs a second or more to import; only accounting needs it, at first use.
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch, dpoptim\n"
+        "model = torch.nn.Linear(3, 2)\n"
+        "dpoptim.DPSGD(model.parameters(), lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0,\n"
+        "              sample_rate=0.01, expected_batch_size=10)\n"
+        "import dpoptim.accounting\n"
+        "assert 'scipy' not in sys.modules, sorted(m for m in sys.modules if m.startswith('scipy'))[:5]\n"
+        "dpoptim.accounting.epsilon(1.0, 0.01, 10, 1e-5)\n"
+        "assert 'scipy' in sys.modules\n"
+    )
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=root)
+    assert result.returncode == 0, result.stderr

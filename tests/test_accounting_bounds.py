@@ -320,3 +320,58 @@ def test_truncated_and_cached_transforms_change_no_value(monkeypatch):
         assert truncated == cached
         assert truncated == pytest.approx(full, rel=1e-12)
         assert truncated >= pld_epsilon_lower_bound(runs, DELTA, grid_points=2**18)
+
+
+def test_tail_ends_move_epsilon_by_at_most_a_hundred_thousandth(monkeypatch):
+    # Each step keeps its loss only between z = -k sigma and z = 1 + k sigma, k set by
+    # the tail budget (about 8 here, instead of 13): the mass beyond goes to +inf or is
+    # rounded up, which is sound, and moves the answer by a negligible amount.
+    from dpoptim.accounting import pld as pld_module
+
+    ledgers = [([(1.1, 0.004, 10_000)], DELTA), ([(1.0 + 0.05 * i, 0.01, 200) for i in range(12)], DELTA),
+               ([(0.9, 1e-4, 2000)], 1e-9)]
+    for runs, delta in ledgers:
+        pld_module._pld_epsilon.cache_clear()
+        cut = pld_epsilon(runs, delta)
+        monkeypatch.setattr(pld_module, "_sigmas_out", lambda budget: pld_module._GAUSS_TAIL)
+        pld_module._pld_epsilon.cache_clear()
+        pld_module._prefix_cache.clear()
+        whole = pld_epsilon(runs, delta)
+        monkeypatch.undo()
+        pld_module._pld_epsilon.cache_clear()  # no value of the patched accountant stays cached
+        pld_module._prefix_cache.clear()
+        assert cut == pytest.approx(whole, rel=1e-5)
+        assert cut >= pld_epsilon_lower_bound(runs, delta, grid_points=2**18)
+
+
+def test_batched_transforms_equal_one_at_a_time(monkeypatch):
+    from dpoptim.accounting import pld as pld_module
+
+    runs = [(1.0 + 0.05 * i, 0.01, 200) for i in range(12)]
+    pld_module._pld_epsilon.cache_clear()
+    pld_module._prefix_cache.clear()
+    batched = pld_epsilon(runs, DELTA)
+    monkeypatch.setattr(pld_module, "_BATCH_POINTS", 1)  # one row per transform
+    pld_module._pld_epsilon.cache_clear()
+    pld_module._prefix_cache.clear()
+    assert pld_epsilon(runs, DELTA) == batched
+
+
+@pytest.mark.parametrize("sigma, q, direction, spacing", [(1.0, 1e-6, "remove", 1e-5), (1.3, 0.01, "add", 6e-5),
+                                                          (0.05, 0.01, "remove", 0.01)])
+def test_block_moment_generating_function_bounds_the_plain_sum(sigma, q, direction, spacing):
+    # The certificates of narrow windows use an upper bound on log sum_k m_k e^{lambda l_k}
+    # computed by blocks; against the plain sum in extended precision it is above, by at
+    # most a relative 1e-11.
+    from dpoptim.accounting import pld as pld_module
+
+    first, masses, _ = pld_module._step_distribution(sigma, q, direction, spacing, -50_000, 50_000)
+    lambdas = np.concatenate([np.geomspace(1e-3, 200.0, 20), -np.geomspace(1e-3, 200.0, 20), [1e5, -1e5]])
+    support = np.flatnonzero(masses > 0)
+    losses = (first + support).astype(np.longdouble) * spacing
+    log_masses = np.log(masses[support].astype(np.longdouble))
+    for lam, bound in zip(lambdas, pld_module._log_mgf(first, masses, spacing, lambdas)):
+        exponent = lam * losses + log_masses
+        peak = exponent.max()
+        plain = float(peak + np.log(np.exp(exponent - peak).sum()))
+        assert plain <= bound <= plain + 1e-11 * (1.0 + abs(plain))

@@ -155,12 +155,41 @@ def _gdp_guess(target: float, delta: float, q: float, steps: int) -> float:
 
 
 def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: float) -> float:
-    """The accountant's own search from the coarse answer ``start``, told the local slope
-    of log epsilon against log sigma (from the coarse PLD, 2% lower): where epsilon
-    falls steeply (tiny q) the first step down then lands near the answer."""
-    low, high = (pld_epsilon([(sigma, q, steps)], delta, _COARSE_GRID) for sigma in (0.98 * start, start))
+    """The accountant's own search from the coarse answer ``start``.
+
+    The coarse PLD's bias is measured at ``start`` (one evaluation of the accountant) and
+    divided out, and the coarse PLD so corrected is solved again (cheap): the accountant's
+    search then starts next to its answer, and is told the local slope of log epsilon
+    against log sigma (between the accountant's two points, else from the coarse PLD, 2%
+    lower), so that where epsilon falls steeply (tiny q) a step lands near the answer. Only points evaluated with the accountant
+    itself are returned (see :func:`_solve`).
+    """
+    known: dict[float, float] = {}
+
+    def accountant(sigma: float) -> float:
+        if sigma not in known:
+            known[sigma] = eps_of(sigma)
+        return known[sigma]
+
+    def coarse(sigma: float) -> float:
+        return pld_epsilon([(sigma, q, steps)], delta, _COARSE_GRID)
+
+    low, high = coarse(0.98 * start), coarse(start)
     slope = math.log(low / high) / -math.log(0.98) if 0 < high < low < math.inf else 2.0
-    return _solve(eps_of, target, start, close=True, slope=min(max(slope, 1.0), 50.0))
+    slope = min(max(slope, 1.0), 50.0)
+    value = accountant(start)
+    aimed = start
+    if 0 < value < math.inf and 0 < high < math.inf:
+        ratio = value / high
+        try:
+            aimed = _solve(lambda sigma: coarse(sigma) * ratio, target, start, close=True, max_evaluations=8,
+                           slope=slope)
+        except ValueError:  # the corrected coarse PLD never meets the target: start from start
+            aimed = start
+        there = accountant(aimed)
+        if aimed != start and 0 < there < math.inf:  # the accountant's own slope between its two points
+            slope = min(max(math.log(there / value) / math.log(start / aimed), 1.0), 50.0)
+    return _solve(accountant, target, aimed, close=True, slope=slope)
 
 
 def _solve(eps_of, target: float, start: float, close: bool = False, max_evaluations: int = 0,
@@ -195,7 +224,8 @@ def _solve(eps_of, target: float, start: float, close: bool = False, max_evaluat
 
 
 def _solve_with(f, target: float, floor: float, start: float, close: bool, slope: float) -> float:
-
+    """:func:`_solve` on the memoised ``f``: a feasible point up from ``start``, steps
+    down along a power law to an infeasible one, then :func:`_illinois`."""
     # Bracket: high feasible (eps <= target), low infeasible (eps > target).
     high = start
     while f(high) > target:
@@ -227,8 +257,13 @@ def _solve_with(f, target: float, floor: float, start: float, close: bool, slope
         low = step_down(high, previous)
         if low < 1e-9:
             return high
-    # Illinois regula falsi on g(x) = log eps(e^x) - log aim, decreasing in x, aimed at
-    # the middle of the accepted band so that a hit lands inside it.
+    return _illinois(f, target, floor, low, high)
+
+
+def _illinois(f, target: float, floor: float, low: float, high: float) -> float:
+    """Illinois regula falsi on g(x) = log eps(e^x) - log aim, decreasing in x, from the
+    bracket ``low`` (infeasible) .. ``high`` (feasible), aimed at the middle of the
+    accepted band so that a hit lands inside it; returns a feasible evaluated sigma."""
     aim = math.log(target * (1.0 - _CALIBRATION_TOLERANCE / 2))
 
     def g(sigma: float) -> float:
@@ -289,7 +324,7 @@ def max_steps(
     base = Ledger(ledger)
 
     def eps(k: int) -> float:
-        return epsilon_of_ledger(base.compose(sigma, q, k).runs, delta, name)
+        return epsilon_of_ledger(base.compose(sigma, q, k), delta, name)
 
     if eps(0) > budget:
         return 0
@@ -308,13 +343,21 @@ def max_steps(
     # candidate costs one power of one cached transform). Its bias is then measured at
     # its answer against the accountant and divided out, the search repeated, and the
     # answer settled on the accountant itself: k fits and k + 1 does not.
-    if name != "pld" or steering_epsilon(base.runs, sigma, q, 0, delta, grid_points=_STEERING_GRID) is None:
+    if name != "pld" or steering_epsilon(base, sigma, q, 0, delta, grid_points=_STEERING_GRID) is None:
         found = _search_steps(eps, budget, low, limit)
-        return UNLIMITED_STEPS if found >= limit else found
+    else:
+        found = _steered_search(eps, sigma, q, delta, budget, base, low, limit)
+    return UNLIMITED_STEPS if found >= limit else found
+
+
+def _steered_search(eps, sigma, q, delta, budget: float, base: Ledger, low: int, limit: int) -> int:
+    """:func:`max_steps` for the PLD: a search on :func:`steering_epsilon` (the ledger's
+    groups and a grid fixed over the candidates), its bias measured at its answer and
+    divided out, the search repeated, and the answer settled on ``eps`` itself."""
     # One grid for all candidates up to a cap, raised fourfold when passed. The cap starts
     # at four times a guess: the RDP count at the budget scaled by how much RDP
     # over-reports the ledger so far.
-    ratio = epsilon_of_ledger(base.runs, delta, "rdp") / max(eps(0), 1e-300) if base.steps else 1.0
+    ratio = epsilon_of_ledger(base, delta, "rdp") / max(eps(0), 1e-300) if base.steps else 1.0
     guess = _max_steps_rdp(sigma, q, delta, budget * min(max(ratio, 1.0), 4.0), base, limit)
     cap = [4 * max(low, guess, 16)]
     bias = [1.0]
@@ -322,17 +365,17 @@ def max_steps(
     def steer(k: int) -> float:
         if k > cap[0]:
             cap[0] = 4 * k
-        value = steering_epsilon(base.runs, sigma, q, k, delta, grid_count=cap[0], grid_points=_STEERING_GRID)
+        value = steering_epsilon(base, sigma, q, k, delta, grid_count=cap[0], grid_points=_STEERING_GRID)
         return value * bias[0]
 
     found = _search_steps(steer, budget, low, limit)
     if found >= limit:
-        return UNLIMITED_STEPS
+        return limit
     if found > 0:
         bias[0] = eps(found) / steer(found)
         found = _search_steps(steer, budget, found, limit, first_step=max(1, found // 64))
         if found >= limit:
-            return UNLIMITED_STEPS
+            return limit
     return _settle(eps, budget, found, limit)
 
 

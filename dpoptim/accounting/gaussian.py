@@ -21,10 +21,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy.special import log_ndtr
-from scipy.stats import binom
 
 from .ledger import check_delta, check_epsilon
+from .special import binom, log_ndtr
 
 __all__ = [
     "gaussian_delta",

@@ -25,6 +25,8 @@ import math
 from collections.abc import Iterable
 from typing import NamedTuple
 
+import numpy as np
+
 from .. import validate
 
 __all__ = [
@@ -85,10 +87,7 @@ class Ledger:
         if isinstance(runs, Ledger):  # already validated and merged
             self._runs = runs._runs
             return
-        merged: list[Run] = []
-        for item in runs:
-            _append(merged, Run.checked(*_unpack(item)))
-        self._runs = tuple(merged)
+        self._runs = _merged_runs(runs)
 
     @classmethod
     def _trusted(cls, runs: tuple) -> Ledger:
@@ -128,6 +127,30 @@ class Ledger:
 
     def __repr__(self) -> str:
         return f"Ledger({list(self._runs)!r})"
+
+
+def _merged_runs(runs: Iterable) -> tuple[Run, ...]:
+    """Validated runs, consecutive identical ones merged and empty ones dropped.
+
+    Plain ``(float, float, int)`` triples that are already valid skip the validators:
+    a ledger of 10^4 runs builds in a few milliseconds.
+    """
+    make = tuple.__new__
+    merged: list[Run] = []
+    last = None
+    for item in runs:
+        sigma, q, count = _unpack(item)
+        if not (type(sigma) is float and type(q) is float and type(count) is int
+                and sigma >= 0.0 and 0.0 < q <= 1.0 and count >= 0):
+            sigma, q, count = Run.checked(sigma, q, count)
+        if count == 0:
+            continue
+        if last == (sigma, q):
+            merged[-1] = make(Run, (sigma, q, merged[-1][2] + count))
+        else:
+            merged.append(make(Run, (sigma, q, count)))
+            last = (sigma, q)
+    return tuple(merged)
 
 
 def _unpack(item) -> tuple:
@@ -190,7 +213,12 @@ def coarsen_runs(runs, max_distinct: int | None = None, *, optimistic: bool = Fa
     benchmarks (never for reporting).
     """
     max_distinct = MAX_DISTINCT_RUNS if max_distinct is None else max_distinct
-    key = tuple((float(sigma), float(q), int(count)) for sigma, q, count in runs)
+    if isinstance(runs, Ledger):
+        runs = runs.runs
+    if isinstance(runs, tuple) and all(type(run) is Run for run in runs):
+        key = runs  # validated: floats and ints already
+    else:
+        key = tuple((float(sigma), float(q), int(count)) for sigma, q, count in runs)
     return list(_coarsen(key, max_distinct, optimistic))
 
 
@@ -234,28 +262,108 @@ def _step_cost(sigma: float, q: float) -> float:
     return q * q * math.expm1(min(1.0 / (sigma * sigma), 200.0))
 
 
+def _step_costs(sigma: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """:func:`_step_cost` of each pair, vectorised."""
+    return q * q * np.expm1(np.minimum(1.0 / (sigma * sigma), 200.0))
+
+
 @functools.lru_cache(maxsize=64)
 def _partition(items: tuple, max_distinct: int) -> tuple:
     """Sizes of the consecutive groups :func:`_merge_groups` forms from ``items``."""
-    return tuple(len(members) for members in _merge_groups(list(items), max_distinct))
+    return tuple(_merge_groups(list(items), max_distinct))
 
 
 def _rounded_count(count: float) -> float:
     return 2.0 ** (round(4.0 * math.log2(count)) / 4.0)
 
 
-def _merge_groups(items: list, max_distinct: int) -> list[list]:
-    """Greedy agglomeration of neighbours in ``items`` (``((sigma, q), count)``, ordered):
-    a heap of neighbour merges by cost, stale entries skipped by version numbers."""
-    n = len(items)
-    members = [[item] for item in items]
-    # Costs use counts rounded to quarter octaves: a ledger that grows by a step (or
-    # max_steps' next candidate) then keeps its groups, and the transforms cached for them.
-    counts = [item[1] for item in items]  # rounded by the caller (see _partition)
-    weights = [count * _step_cost(*key) for (key, _), count in zip(items, counts)]  # sum of c_r w_r
-    sig_min = [key[0] for key, _ in items]
-    q_max = [key[1] for key, _ in items]
-    total = sum(weights)
+class _Groups:
+    """Consecutive groups of ordered pairs: per group its size, step count, summed own
+    cost ``sum c_r w_r``, smallest sigma and largest q."""
+
+    def __init__(self, items: list):
+        self.sizes = np.ones(len(items), dtype=np.int64)
+        self.counts = np.array([count for _, count in items], dtype=float)
+        self.sigmas = np.array([key[0] for key, _ in items], dtype=float)
+        self.rates = np.array([key[1] for key, _ in items], dtype=float)
+        self.weights = self.counts * _step_costs(self.sigmas, self.rates)
+
+    def own_costs(self) -> np.ndarray:
+        """What accounting each group at its smallest sigma and largest q adds to the proxy."""
+        return self.counts * _step_costs(self.sigmas, self.rates) - self.weights
+
+    def pair_costs(self) -> np.ndarray:
+        """What merging each group with the next adds."""
+        own = self.own_costs()
+        merged = (self.counts[:-1] + self.counts[1:]) * _step_costs(
+            np.minimum(self.sigmas[:-1], self.sigmas[1:]), np.maximum(self.rates[:-1], self.rates[1:]))
+        return merged - self.weights[:-1] - self.weights[1:] - own[:-1] - own[1:]
+
+    def merge_pairs(self, firsts: np.ndarray) -> None:
+        """Merge group ``i`` with ``i + 1`` for each ``i`` in ``firsts`` (no two adjacent)."""
+        seconds = firsts + 1
+        self.sizes[firsts] += self.sizes[seconds]
+        self.counts[firsts] += self.counts[seconds]
+        self.weights[firsts] += self.weights[seconds]
+        self.sigmas[firsts] = np.minimum(self.sigmas[firsts], self.sigmas[seconds])
+        self.rates[firsts] = np.maximum(self.rates[firsts], self.rates[seconds])
+        keep = np.ones(self.sizes.size, dtype=bool)
+        keep[seconds] = False
+        for name in ("sizes", "counts", "weights", "sigmas", "rates"):
+            setattr(self, name, getattr(self, name)[keep])
+
+
+def _premerge(groups: _Groups, target: int) -> float:
+    """Vectorised rounds of the cheapest merges down to about ``target`` groups; returns
+    the cost they added.
+
+    Round ``r`` looks at the neighbour pairs starting at indices of the parity of ``r``
+    (so no two overlap) and merges those whose cost is at most the median of all pair
+    costs, cheapest first, never past ``target``. It only makes the greedy of
+    :func:`_merge_groups` fast on long ledgers; what is merged is still chosen by cost.
+    """
+    spent = 0.0
+    parity = 0
+    while groups.sizes.size > target:
+        costs = groups.pair_costs()
+        firsts = np.arange(parity, costs.size, 2)
+        firsts = firsts[costs[firsts] <= np.median(costs)]
+        if firsts.size == 0:
+            firsts = np.array([int(np.argmin(costs))])
+        firsts = firsts[np.argsort(costs[firsts], kind="stable")[: groups.sizes.size - target]]
+        spent += float(np.maximum(costs[firsts], 0.0).sum())
+        groups.merge_pairs(np.sort(firsts))
+        parity ^= 1
+    return spent
+
+
+#: Ledgers of more pairs than this many times the group limit are first pre-merged by
+#: :func:`_premerge` down to that many groups.
+_PREMERGE_FACTOR = 4
+
+
+def _merge_groups(items: list, max_distinct: int) -> list[int]:
+    """Sizes of the groups formed by greedy agglomeration of neighbours in ``items``
+    (``((sigma, q), count)``, ordered): a heap of neighbour merges by cost, stale
+    entries skipped by version numbers; long ledgers are pre-merged by :func:`_premerge`.
+
+    Costs use counts rounded to quarter octaves (by the caller, see :func:`_partition`):
+    a ledger that grows by a step (or max_steps' next candidate) then keeps its groups,
+    and the transforms cached for them.
+    """
+    groups = _Groups(items)
+    free = FREE_MERGE_SHARE * float(groups.weights.sum())
+    spent = _premerge(groups, _PREMERGE_FACTOR * max_distinct) if len(items) > _PREMERGE_FACTOR * max_distinct else 0.0
+    return _greedy(groups, max_distinct, spent, free)
+
+
+def _greedy(groups: _Groups, max_distinct: int, spent: float, free: float) -> list[int]:
+    """The cheapest neighbour merge first, until at most ``max_distinct`` groups are left
+    and the next merge would bring the cost added (``spent`` so far) past ``free``."""
+    n = groups.sizes.size
+    sizes = groups.sizes.tolist()
+    counts, weights = groups.counts.tolist(), groups.weights.tolist()
+    sig_min, q_max = groups.sigmas.tolist(), groups.rates.tolist()
     right = list(range(1, n + 1))
     left = list(range(-1, n - 1))
     alive = [True] * n
@@ -272,18 +380,17 @@ def _merge_groups(items: list, max_distinct: int) -> list[list]:
 
     heap = [(pair_cost(i, i + 1), i, i + 1, 0, 0) for i in range(n - 1)]
     heapq.heapify(heap)
-    groups, spent = n, 0.0
-    free = FREE_MERGE_SHARE * total
-    while heap and groups > 1:
+    remaining = n
+    while heap and remaining > 1:
         cost, i, j, vi, vj = heap[0]
         if not (alive[i] and alive[j] and version[i] == vi and version[j] == vj and right[i] == j):
             heapq.heappop(heap)
             continue
-        if groups <= max_distinct and spent + cost > free:
+        if remaining <= max_distinct and spent + cost > free:
             break
         heapq.heappop(heap)
         # merge j into i
-        members[i].extend(members[j])
+        sizes[i] += sizes[j]
         counts[i] += counts[j]
         weights[i] += weights[j]
         sig_min[i] = min(sig_min[i], sig_min[j])
@@ -295,14 +402,14 @@ def _merge_groups(items: list, max_distinct: int) -> list[list]:
         right[i] = right[j]
         if right[j] < n:
             left[right[j]] = i
-        groups -= 1
+        remaining -= 1
         if left[i] >= 0:
             a = left[i]
             heapq.heappush(heap, (pair_cost(a, i), a, i, version[a], version[i]))
         if right[i] < n:
             b = right[i]
             heapq.heappush(heap, (pair_cost(i, b), i, b, version[i], version[b]))
-    return [members[i] for i in range(n) if alive[i]]
+    return [sizes[i] for i in range(n) if alive[i]]
 
 
 class Accountant(abc.ABC):

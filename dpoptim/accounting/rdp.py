@@ -57,7 +57,7 @@ import functools
 import math
 
 import numpy as np
-from scipy.special import gammaln, gammasgn, log_ndtr
+from .special import gammaln, gammasgn, log_ndtr
 
 from .ledger import (
     Accountant,
