@@ -36,6 +36,7 @@ from .capture import (CaptureMixin, _accumulated_hook, _forward_hook, _forward_p
                       _restore_hook)
 from .clipping import _USED_ELSEWHERE, ClippingMixin
 from .errors import PrivacyWarning, UnsupportedLayerError
+from .registry import resolve_rule
 from .scope import HookScope
 from .sharding import ShardingMixin
 
@@ -88,7 +89,8 @@ class GradEngine(CaptureMixin, AccelerationMixin, ClippingMixin, ShardingMixin):
         # Process-wide forward hooks until a checked step, then only on the model's modules.
         self._scope = HookScope(functools.partial(_forward_pre_hook, self._ref),
                                 functools.partial(_forward_hook, self._ref),
-                                functools.partial(_restore_hook, self._ref))
+                                functools.partial(_restore_hook, self._ref),
+                                needs=lambda module: resolve_rule(module) is not None)
         weakref.finalize(self, _remove_all, self._handles)
         weakref.finalize(self, _remove_all, self._verify_handles)
 

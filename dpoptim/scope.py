@@ -38,10 +38,13 @@ def _rescan_hook(scope_ref, root, args):
 class HookScope:
     """The forward hooks of one engine. ``hooks`` are its ``(pre, forward, restore)``
     functions, called as ``pre(module, args)``, ``forward(module, args, kwargs, output)``
-    and ``restore(module, args, output)`` (the last also when the forward raised)."""
+    and ``restore(module, args, output)`` (the last also when the forward raised).
+    ``needs(module)`` says whether a module with no parameters and no children needs them
+    once narrowed (see :meth:`_wants_hooks`)."""
 
-    def __init__(self, pre, forward, restore):
+    def __init__(self, pre, forward, restore, needs=lambda module: True):
         self._pre, self._forward, self._restore = pre, forward, restore
+        self._needs = needs
         self._global: list = []  # handles of the process-wide hooks, while discovering
         self._local: list = []  # handles of the per-module hooks, once narrowed
         self._covered: weakref.WeakSet = weakref.WeakSet()
@@ -92,11 +95,23 @@ class HookScope:
         return True
 
     def cover_new(self, root: nn.Module) -> None:
-        """Hook every module of ``root`` not hooked yet."""
+        """Hook every module of ``root`` not hooked yet (that wants hooks)."""
         for module in root.modules():
             if module not in self._covered:
                 self._covered.add(module)
-                self._cover(module)
+                if module is root or self._wants_hooks(module):
+                    self._cover(module)
+
+    def _wants_hooks(self, module: nn.Module) -> bool:
+        """Whether a module inside a root needs the hooks. A leaf without parameters and
+        without a rule (an activation, dropout, a reshape) neither uses a parameter nor
+        encloses a module that does, and no rule watches it: its calls need no hook, and
+        skipping them saves most of the cost of calling it. A parameter given to it later
+        is not the optimizer's (``add_param_group`` widens the hooks again), and a child
+        attached to it later is hooked by the root's rescan."""
+        if next(module.children(), None) is not None or next(module.parameters(recurse=False), None) is not None:
+            return True
+        return self._needs(module)
 
     def _cover(self, module: nn.Module) -> None:
         # Prepended, in reverse, so that they run before the module's own hooks and in the

@@ -90,3 +90,38 @@ def test_a_new_module_holding_the_old_parameters_is_found_at_the_next_call():
     _step(model, opt, 10 * torch.randn(4, 3))
     total = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
     assert float(old.weight.grad.norm()) > 0 and float(total) <= 1e-3 * 1.0001
+
+
+
+def test_leaves_without_parameters_or_rule_are_left_unhooked_and_steps_stay_exact():
+    """Once narrowed, an activation or a dropout (no parameter, no child, no rule) carries
+    no hook; layers with parameters, containers, and a parameter-free layer with a rule
+    (LayerNorm without affine parameters) keep theirs. The next clipped step still matches
+    the per-example oracle."""
+    from oracle import clipped_sum, dp_clipped_sum, per_example_gradients
+
+    def make():
+        return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.LayerNorm(4, elementwise_affine=False),
+                             nn.Dropout(0.0), nn.Linear(4, 2)).double()
+
+    torch.manual_seed(0)
+    model, twin = make(), make()  # the oracle runs on a twin: the model's hooks now ghost-detach
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.zeros(5)
+    opt = dpoptim.DPSGD(model.parameters(), lr=1.0, noise_multiplier=0.0, max_grad_norm=0.05,
+                        expected_batch_size=1, sample_rate=0.5, loss_reduction="sum")
+
+    def forward(m, inputs):
+        return m(inputs)
+
+    def loss(out, _):
+        return out.square().sum(1)
+
+    dp_clipped_sum(model, [((x,), y)], 0.05, forward, loss, reduction="sum", optimizer=opt)  # checked step
+    hooked = {type(m).__name__ for m in model.modules() if m._forward_pre_hooks}
+    assert hooked == {"Sequential", "Linear", "LayerNorm"}
+    twin.load_state_dict(model.state_dict())
+    expected, norms = clipped_sum(per_example_gradients(twin, (x,), y, forward, loss), 0.05, list(twin.parameters()))
+    assert max(norms) > 0.05  # some examples are clipped
+    update = dp_clipped_sum(model, [((x,), y)], 0.05, forward, loss, reduction="sum", optimizer=opt)
+    for got, want in zip(update, expected):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
