@@ -158,9 +158,7 @@ class HyperparameterMixin:
 
     @noise_multiplier.setter
     def noise_multiplier(self, value: float) -> None:
-        value = _check_noise_multiplier(value)
-        for group in self.param_groups:
-            group["noise_multiplier"] = value
+        self._set_group_value("noise_multiplier", _check_noise_multiplier(value))
 
     @property
     def max_grad_norm(self) -> float:
@@ -168,6 +166,9 @@ class HyperparameterMixin:
 
     @max_grad_norm.setter
     def max_grad_norm(self, value: float) -> None:
-        value = _check_max_grad_norm(value)
+        self._set_group_value("max_grad_norm", _check_max_grad_norm(value))
+
+    def _set_group_value(self, key: str, value: float) -> None:
+        """Set ``key`` to the (checked) ``value`` in every parameter group."""
         for group in self.param_groups:
-            group["max_grad_norm"] = value
+            group[key] = value
