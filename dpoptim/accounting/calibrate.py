@@ -146,7 +146,7 @@ _COARSE_GRID = 2**14
 #: Evaluations a steering search may spend (its answer only starts the next search): the
 #: coarse PLD jumps by up to a quarter where its power-of-two spacing changes, so closing
 #: in on its own answer further gains nothing.
-_STEERING_EVALUATIONS = 16
+_STEERING_EVALUATIONS = 12
 
 #: Largest noise multiplier a calibration tries before giving up.
 _SIGMA_MAX = 1e15
@@ -192,7 +192,7 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
         feasible = [s for s, v in known.items() if v <= target]
         infeasible = [s for s, v in known.items() if v > target]
         if feasible and infeasible and max(infeasible) < min(feasible):
-            return _illinois(accountant, target, floor, max(infeasible), min(feasible))
+            return _illinois(accountant, target, floor, max(infeasible), min(feasible), earlier=list(known))
         if previous is not None and 0 < known[previous] < math.inf and known[previous] != value:
             slope = min(max(math.log(value / known[previous]) / math.log(previous / sigma), 1.0), 50.0)
         step = min(max((value / aim) ** (1.0 / slope), 0.5), 2.0)
@@ -290,7 +290,7 @@ def _solve_with(f, target: float, floor: float, start: float, close: bool, slope
     return _illinois(f, target, floor, low, high)
 
 
-def _illinois(f, target: float, floor: float, low: float, high: float) -> float:
+def _illinois(f, target: float, floor: float, low: float, high: float, earlier=()) -> float:
     """Illinois regula falsi on g(x) = log eps(e^x) - log aim, decreasing in x, from the
     bracket ``low`` (infeasible) .. ``high`` (feasible), aimed at the middle of the
     accepted band so that a hit lands inside it; returns a feasible evaluated sigma.
@@ -307,7 +307,9 @@ def _illinois(f, target: float, floor: float, low: float, high: float) -> float:
     x_low, x_high = math.log(low), math.log(high)
     ends = [low, high]  # the evaluated sigmas at x_low, x_high
     g_low, g_high = g(low), g(high)
-    history = [(x_low, g_low), (x_high, g_high)]  # every point evaluated, in order
+    # every point evaluated, in order (``earlier``: sigmas evaluated before, oldest first)
+    history = [(math.log(sigma), g(sigma)) for sigma in earlier if sigma not in (low, high)]
+    history += [(x_low, g_low), (x_high, g_high)]
     side = 0
     for _ in range(200):
         margin = 1e-3 * (x_high - x_low)
