@@ -285,28 +285,6 @@ def steering_epsilon(base, sigma: float, q: float, count: int, delta: float, gri
         return None
 
 
-def fixed_grid_epsilon(sigma: float, q: float, count: int, delta: float, grid_sigma: float,
-                       grid_points: int) -> float | None:
-    """A quick PLD epsilon of ``count`` steps at ``(sigma, q)`` on the grid chosen for
-    ``grid_sigma``, to steer :func:`~dpoptim.accounting.calibrate_noise`.
-
-    The grid (spacing, window, tilt, each step's ends) stays fixed whatever ``sigma``, so
-    the value moves smoothly with ``sigma``, where a grid chosen anew jumps with every
-    change of the power-of-two spacing. Mass beyond the fixed ends is still rounded up or
-    sent to +inf, but the wrap-around bound was certified for ``grid_sigma`` only and the
-    floating-point allowance is not redone in extended precision: not a reported value
-    (callers confirm with :func:`pld_epsilon`). ``None`` where it does not apply.
-    """
-    if not 0.0 < sigma < math.inf or not 0.0 < grid_sigma < math.inf or q >= 1.0 or count < 1:
-        return None
-    try:
-        grid = _steering_grid((), grid_sigma, q, count, delta, grid_points)
-        steps = ((sigma, q, count),)
-        return max(_compose_direction(steps, direction, grid, delta, np.float64)[0] for direction in (_REMOVE, _ADD))
-    except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
-        return None
-
-
 @functools.lru_cache(maxsize=8)
 def _steering_groups(runs: tuple) -> tuple | None:
     runs = [run for run in runs if not math.isinf(run[0])]
