@@ -14,6 +14,7 @@ import pytest
 from scipy import stats
 
 from dpoptim.accounting import calibrate_noise, epsilon, epsilon_of_ledger, gaussian_epsilon, max_steps
+from dpoptim.accounting import calibrate as calibrate_module
 from dpoptim.accounting import ledger as ledger_module
 from dpoptim.accounting.gaussian import (
     mixture_delta,
@@ -182,6 +183,46 @@ def test_calibration_meets_targets_across_the_range(target):
     sigma = calibrate_noise(target, DELTA, 0.01, 1000)
     spent = epsilon(sigma, 0.01, 1000, DELTA)
     assert target * 0.998 <= spent <= target
+
+
+def test_calibration_at_a_tiny_sample_rate_meets_the_target():
+    # q = 1e-6: epsilon falls steeply with sigma and the coarse PLD that steers the search
+    # jumps by up to a quarter; the answer must still be within the accepted band.
+    sigma = calibrate_noise(1e-3, DELTA, 1e-6, 1000)
+    spent = epsilon(sigma, 1e-6, 1000, DELTA)
+    assert 1e-3 * 0.998 <= spent <= 1e-3
+
+
+@pytest.mark.parametrize("power, jump", [(1.0, 0.0), (4.7, 0.0), (13.0, 0.0), (4.7, 0.004), (8.0, 0.01)])
+def test_calibration_search_returns_an_evaluated_point_in_the_band(power, jump):
+    # A curved, slightly jumpy stand-in for the accountant (log-log curvature like the PLD's
+    # at q = 1e-6, steps in it like a grid change): the search must return a sigma it
+    # evaluated, inside [0.998 target, target], in a handful of evaluations.
+    evaluated = {}
+
+    def eps_of(sigma):
+        x = math.log(sigma)
+        value = math.exp(-power * x - 0.8 * x * x) * (1.0 + jump * (math.floor(40.0 * x) % 2))
+        evaluated[sigma] = value
+        return value
+
+    target = eps_of(0.61) * 1.0001
+    evaluated.clear()
+    sigma = calibrate_module._finish(eps_of, target, 0.7, 0.01, 1000, DELTA)
+    assert sigma in evaluated
+    assert target * 0.998 <= evaluated[sigma] <= target
+    assert len(evaluated) <= 8
+
+
+def test_inverse_quadratic_finds_the_root_of_a_parabola():
+    def x_of(g):
+        return 0.3 - 0.5 * g + 0.2 * g * g
+
+    points = [(x_of(g), g) for g in (-0.7, 0.4, 1.1)]
+    assert calibrate_module._inverse_quadratic(points) == pytest.approx(x_of(0.0), abs=1e-12)
+    assert math.isnan(calibrate_module._inverse_quadratic(points[:2]))
+    assert math.isnan(calibrate_module._inverse_quadratic([points[0], points[0], points[1]]))
+    assert math.isnan(calibrate_module._inverse_quadratic([*points[:2], (0.5, 745.0)]))
 
 
 def test_tiny_targets_ask_for_large_noise_not_an_error():

@@ -120,13 +120,14 @@ def calibrate_noise(target_epsilon, delta, sample_rate, steps, accountant: str =
     start = _gdp_guess(target, delta, q, steps)
     rdp_floor = eps(_SIGMA_MAX, "rdp")
     if rdp_floor < target * (1.0 - _CALIBRATION_TOLERANCE):
-        guess = _solve(lambda sigma: eps(sigma, "rdp"), target, start)
         if name == "rdp":
-            return guess
+            return _solve(lambda sigma: eps(sigma, "rdp"), target, start)
+        # Only a start for the PLD: ten RDP evaluations land close enough.
+        guess = _solve(lambda sigma: eps(sigma, "rdp"), target, start, max_evaluations=10)
         # A PLD on a grid 16 times coarser (an upper bound too, a little looser) brings the
         # RDP answer to within a fraction of a percent cheaply; the PLD itself finishes.
         coarse = _solve(lambda sigma: pld_epsilon([(sigma, q, steps)], delta, _COARSE_GRID), target, guess, close=True,
-                        max_evaluations=8)
+                        max_evaluations=_STEERING_EVALUATIONS)
         return _finish(lambda sigma: eps(sigma, "pld"), target, coarse, q, steps, delta)
     if name == "rdp":
         raise ValueError(
@@ -135,12 +136,17 @@ def calibrate_noise(target_epsilon, delta, sample_rate, steps, accountant: str =
             f"use accountant='pld', which meets any positive target"
         )
     coarse = _solve(lambda sigma: pld_epsilon([(sigma, q, steps)], delta, _COARSE_GRID), target, start,
-                    max_evaluations=12)
+                    max_evaluations=_STEERING_EVALUATIONS)
     return _finish(lambda sigma: eps(sigma, "pld"), target, coarse, q, steps, delta)
 
 
 #: Grid of the PLD that steers a calibration before the accountant's own grid finishes it.
 _COARSE_GRID = 2**14
+
+#: Evaluations a steering search may spend (its answer only starts the next search): the
+#: coarse PLD jumps by up to a quarter where its power-of-two spacing changes, so closing
+#: in on its own answer further gains nothing.
+_STEERING_EVALUATIONS = 12
 
 #: Largest noise multiplier a calibration tries before giving up.
 _SIGMA_MAX = 1e15
@@ -157,12 +163,14 @@ def _gdp_guess(target: float, delta: float, q: float, steps: int) -> float:
 def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: float) -> float:
     """The accountant's own search from the coarse answer ``start``.
 
-    The coarse PLD's bias is measured at ``start`` (one evaluation of the accountant) and
-    divided out, and the coarse PLD so corrected is solved again (cheap): the accountant's
-    search then starts next to its answer, and is told the local slope of log epsilon
-    against log sigma (between the accountant's two points, else from the coarse PLD, 2%
-    lower), so that where epsilon falls steeply (tiny q) a step lands near the answer. Only points evaluated with the accountant
-    itself are returned (see :func:`_solve`).
+    Secant steps on log epsilon against log sigma, all on points evaluated with the
+    accountant (smooth in sigma, unlike the coarse PLD, whose power-of-two spacing makes
+    it jump by up to a quarter): the first step takes its slope from the coarse PLD over
+    baselines of 2% to 10% in sigma (:func:`_coarse_slope`), later ones from
+    the accountant's last two points, or the parabola through its last three. Once a
+    feasible and an infeasible point bracket the
+    answer, :func:`_illinois` narrows the bracket. Only evaluated points are returned, so
+    the answer never overshoots the target (see :func:`_solve`).
     """
     known: dict[float, float] = {}
 
@@ -171,25 +179,47 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
             known[sigma] = eps_of(sigma)
         return known[sigma]
 
-    def coarse(sigma: float) -> float:
-        return pld_epsilon([(sigma, q, steps)], delta, _COARSE_GRID)
+    floor = target * (1.0 - _CALIBRATION_TOLERANCE)
+    aim = target * (1.0 - _CALIBRATION_TOLERANCE / 2)
+    slope = _coarse_slope(start, q, steps, delta)
+    sigma, previous = start, None
+    for _ in range(4):
+        value = accountant(sigma)
+        if floor <= value <= target:
+            return sigma
+        if not 0 < value < math.inf:
+            break
+        feasible = [s for s, v in known.items() if v <= target]
+        infeasible = [s for s, v in known.items() if v > target]
+        if feasible and infeasible and max(infeasible) < min(feasible):
+            return _illinois(accountant, target, floor, max(infeasible), min(feasible), earlier=list(known))
+        if previous is not None and 0 < known[previous] < math.inf and known[previous] != value:
+            slope = min(max(math.log(value / known[previous]) / math.log(previous / sigma), 1.0), 50.0)
+        step = min(max((value / aim) ** (1.0 / slope), 0.5), 2.0)
+        # three points: the parabola through them (log sigma against log epsilon), if near
+        curve = _inverse_quadratic([(math.log(s), math.log(known[s] / aim)) for s in list(known)[-3:]])
+        previous, sigma = sigma, sigma * step
+        if math.isfinite(curve) and 0.5 <= math.exp(curve) / previous <= 2.0:
+            sigma = math.exp(curve)
+        if sigma in known:
+            break
+    feasible = [s for s, v in known.items() if v <= target]
+    return _solve(accountant, target, min(feasible) if feasible else max(known), close=True, slope=slope)
 
-    low, high = coarse(0.98 * start), coarse(start)
-    slope = math.log(low / high) / -math.log(0.98) if 0 < high < low < math.inf else 2.0
-    slope = min(max(slope, 1.0), 50.0)
-    value = accountant(start)
-    aimed = start
-    if 0 < value < math.inf and 0 < high < math.inf:
-        ratio = value / high
-        try:
-            aimed = _solve(lambda sigma: coarse(sigma) * ratio, target, start, close=True, max_evaluations=8,
-                           slope=slope)
-        except ValueError:  # the corrected coarse PLD never meets the target: start from start
-            aimed = start
-        there = accountant(aimed)
-        if aimed != start and 0 < there < math.inf:  # the accountant's own slope between its two points
-            slope = min(max(math.log(there / value) / math.log(start / aimed), 1.0), 50.0)
-    return _solve(accountant, target, aimed, close=True, slope=slope)
+
+def _coarse_slope(sigma: float, q: float, steps: int, delta: float) -> float:
+    """A first guess of the accountant's -d log epsilon / d log sigma near ``sigma``: the
+    median of the coarse PLD's over 0.98..1, 1..1.02 and 0.95..1.05 times ``sigma``
+    (clipped to 1..50; 2 where none is defined). A jump of the coarse PLD (where its
+    spacing changes) spoils at most one of the two narrow baselines and little of the
+    wide one, so the median is one that it does not spoil much."""
+    factors = (0.95, 0.98, 1.0, 1.02, 1.05)
+    values = dict(zip(factors, (pld_epsilon([(sigma * f, q, steps)], delta, _COARSE_GRID) for f in factors)))
+    slopes = []
+    for low, high in ((0.98, 1.0), (1.0, 1.02), (0.95, 1.05)):
+        if 0 < values[high] < values[low] < math.inf:
+            slopes.append(min(max(math.log(values[low] / values[high]) / math.log(high / low), 1.0), 50.0))
+    return sorted(slopes)[(len(slopes) - 1) // 2] if slopes else 2.0
 
 
 def _solve(eps_of, target: float, start: float, close: bool = False, max_evaluations: int = 0,
@@ -260,10 +290,14 @@ def _solve_with(f, target: float, floor: float, start: float, close: bool, slope
     return _illinois(f, target, floor, low, high)
 
 
-def _illinois(f, target: float, floor: float, low: float, high: float) -> float:
+def _illinois(f, target: float, floor: float, low: float, high: float, earlier=()) -> float:
     """Illinois regula falsi on g(x) = log eps(e^x) - log aim, decreasing in x, from the
     bracket ``low`` (infeasible) .. ``high`` (feasible), aimed at the middle of the
-    accepted band so that a hit lands inside it; returns a feasible evaluated sigma."""
+    accepted band so that a hit lands inside it; returns a feasible evaluated sigma.
+    Once three points are known, the step is inverse quadratic interpolation through the
+    last three where it falls inside the bracket (as in Brent's method): epsilon curves
+    in log-log, and regula falsi alone then creeps in from one side. Where an end of the
+    bracket has epsilon 0 (or infinite), the step is a bisection."""
     aim = math.log(target * (1.0 - _CALIBRATION_TOLERANCE / 2))
 
     def g(sigma: float) -> float:
@@ -271,23 +305,34 @@ def _illinois(f, target: float, floor: float, low: float, high: float) -> float:
         return (math.log(value) if 0 < value < math.inf else (-745.0 if value == 0 else 745.0)) - aim
 
     x_low, x_high = math.log(low), math.log(high)
+    ends = [low, high]  # the evaluated sigmas at x_low, x_high
     g_low, g_high = g(low), g(high)
+    # every point evaluated, in order (``earlier``: sigmas evaluated before, oldest first)
+    history = [(math.log(sigma), g(sigma)) for sigma in earlier if sigma not in (low, high)]
+    history += [(x_low, g_low), (x_high, g_high)]
     side = 0
     for _ in range(200):
-        if g_high != g_low:
-            x = x_high - g_high * (x_high - x_low) / (g_high - g_low)
-        else:
-            x = 0.5 * (x_low + x_high)
         margin = 1e-3 * (x_high - x_low)
-        x = min(max(x, x_low + margin), x_high - margin)
+        x = _inverse_quadratic(history[-3:])
+        if not x_low + margin <= x <= x_high - margin:
+            if not (0 < f(ends[0]) < math.inf and 0 < f(ends[1]) < math.inf):
+                x = 0.5 * (x_low + x_high)  # an end with epsilon 0 or inf says nothing of the slope
+            elif g_high != g_low:
+                x = x_high - g_high * (x_high - x_low) / (g_high - g_low)
+            else:
+                x = 0.5 * (x_low + x_high)
+            x = min(max(x, x_low + margin), x_high - margin)
         sigma = math.exp(x)
+        history.append((x, g(sigma)))
         if f(sigma) > target:
             x_low, g_low = x, g(sigma)
+            ends[0] = sigma
             if side == -1:
                 g_high /= 2.0
             side = -1
         else:
             x_high, g_high = x, g(sigma)
+            ends[1] = sigma
             if f(sigma) >= floor:
                 return sigma
             if side == 1:
@@ -295,7 +340,20 @@ def _illinois(f, target: float, floor: float, low: float, high: float) -> float:
             side = 1
         if x_high - x_low < 1e-12:
             break
-    return math.exp(x_high)
+    return ends[1]  # evaluated and feasible (exp(log(sigma)) may differ from sigma in the last bit)
+
+
+def _inverse_quadratic(points) -> float:
+    """The x where the parabola x(g) through three ``(x, g)`` points has g = 0 (NaN
+    unless there are three points with distinct, finite, unclamped g)."""
+    if len(points) < 3:
+        return math.nan
+    (x0, g0), (x1, g1), (x2, g2) = points
+    gs = (g0, g1, g2)
+    if len(set(gs)) < 3 or not all(abs(g) < 700.0 for g in gs):
+        return math.nan
+    return (x0 * g1 * g2 / ((g0 - g1) * (g0 - g2)) + x1 * g0 * g2 / ((g1 - g0) * (g1 - g2))
+            + x2 * g0 * g1 / ((g2 - g0) * (g2 - g1)))
 
 
 def max_steps(
