@@ -1200,16 +1200,17 @@ def _product(items, grid: _Grid, dtype, lower: bool) -> _Product:
         total_steps += count
     # Past the shortest prefix some factor is below e^-_DEAD: the product is zero there.
     alive = min(prefix.size for prefix, _ in prefixes)
-    spectrum = None
+    real = prefixes[0][0].real.dtype
+    log_modulus_sum, angle_sum = np.zeros(alive, dtype=real), np.zeros(alive, dtype=real)
     log_weight = np.zeros(alive)
     for prefix, count in prefixes:
         step = prefix[:alive]
         with np.errstate(divide="ignore"):
             log_modulus = np.log(np.abs(step))
-        power = _power(step, count, log_modulus)
-        spectrum = power if spectrum is None else spectrum * power
+        log_modulus_sum += count * log_modulus
+        angle_sum += np.remainder(count * np.angle(step), 2.0 * math.pi)
         log_weight += (count - 1) * log_modulus.astype(np.float64)
-    return _Product(spectrum, log_weight, dead_log_weight, log_finite, cgf, total_steps)
+    return _Product(_polar(log_modulus_sum, angle_sum), log_weight, dead_log_weight, log_finite, cgf, total_steps)
 
 
 def _joined(first: _Product, second: _Product) -> _Product:
@@ -1292,18 +1293,16 @@ def _rounding_allowance(n: int, total_steps: int, weight: np.ndarray, modulus: n
     return 4.0 * unit * math.log2(n) * (total_steps * weights + moduli) + 1e-290
 
 
-def _power(spectrum: np.ndarray, count: int, log_modulus: np.ndarray) -> np.ndarray:
-    """spectrum ** count for complex entries of modulus <= 1, in polar form.
+def _polar(log_modulus: np.ndarray, angle: np.ndarray) -> np.ndarray:
+    """``exp(log_modulus + i angle)``: the product of the steps' powers, composed as the sum
+    of their logarithms (one complex exponential in all, not one per step).
 
-    Entries whose power underflows are set to zero without computing them: after many
+    Entries whose modulus underflows are set to zero without computing them: after many
     steps that is most of the spectrum.
     """
-    if count == 1:
-        return spectrum
-    out = np.zeros_like(spectrum)
-    alive = np.flatnonzero(count * log_modulus > -745.0)
-    angle = np.remainder(count * np.angle(spectrum[alive]), 2.0 * math.pi)
-    out[alive] = np.exp(count * log_modulus[alive] + 1j * angle)
+    out = np.zeros(log_modulus.shape, dtype=np.result_type(log_modulus.dtype, np.complex64))
+    alive = np.flatnonzero(log_modulus > -745.0)
+    out[alive] = np.exp(log_modulus[alive] + 1j * np.remainder(angle[alive], 2.0 * math.pi))
     return out
 
 
