@@ -476,3 +476,23 @@ def test_a_grid_guessed_too_coarse_is_refined_on_the_pld_answer(monkeypatch):
     guessed, guessed_sizes = run(1e9)
     assert len(guessed_sizes) == 2 and guessed_sizes[0] < guessed_sizes[1]  # refined once
     assert guessed_sizes[-1] == usual_sizes[-1] and guessed == usual
+
+
+def test_more_groups_tighten_a_schedule_and_the_limit_is_checked(monkeypatch):
+    # max_groups trades time for tightness on long schedules: the grouping into fewer
+    # groups merges further the one into more (cost-greedy), so it can only cost more.
+    runs = [(1.0 + 0.01 * i, 0.01, 40) for i in range(13)]
+    eight = pld_epsilon(runs, DELTA, max_groups=8)
+    monkeypatch.setattr(ledger_module, "MAX_DISTINCT_RUNS", 8)  # the default limit, set to 8
+    from dpoptim.accounting import pld as pld_module
+
+    pld_module._pld_epsilon.cache_clear()
+    assert pld_epsilon(runs, DELTA) == eight
+    monkeypatch.undo()
+    pld_module._pld_epsilon.cache_clear()
+    every = pld_epsilon(runs, DELTA, max_groups=13)
+    assert every < eight
+    assert pld_module.PLDAccountant.from_ledger(runs, max_groups=13).get_epsilon(DELTA) == every
+    for bad in (0, -1, 2.5, "64"):
+        with pytest.raises((ValueError, TypeError), match="max_groups"):
+            pld_epsilon(runs, DELTA, max_groups=bad)

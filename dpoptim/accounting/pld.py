@@ -116,7 +116,7 @@ from .gaussian import (
     mixture_delta_lower_bound,
     mixture_epsilon,
 )
-from .ledger import Accountant, Ledger, check_count, check_delta, coarsen_runs
+from .ledger import MAX_DISTINCT_RUNS, Accountant, Ledger, check_count, check_delta, coarsen_runs
 from .rdp import DEFAULT_ORDERS, epsilon_from_rdp, ledger_rdp, rdp_subsampled_gaussian
 from .special import log_ndtr, ndtri
 
@@ -135,15 +135,15 @@ _GAUSS_TAIL = 13.0  # Gaussian components are cut 13 standard deviations out (ma
 _REMOVE, _ADD = "remove", "add"
 
 
-def pld_epsilon(runs, delta, grid_points: int | None = None) -> float:
-    """Epsilon of a ledger of ``(sigma, q, count)`` runs by the PLD accountant (``grid_points``:
-    see :class:`PLDAccountant`)."""
+def pld_epsilon(runs, delta, grid_points: int | None = None, max_groups: int | None = None) -> float:
+    """Epsilon of a ledger of ``(sigma, q, count)`` runs by the PLD accountant (``grid_points``
+    and ``max_groups``: see :class:`PLDAccountant`)."""
     delta = check_delta(delta)
     grid_points = _check_grid_points(grid_points)
-    return _pld_epsilon(Ledger(runs).runs, delta, grid_points)
+    return _pld_epsilon(Ledger(runs).runs, delta, grid_points, max_groups=_check_max_groups(max_groups))
 
 
-def pld_epsilon_lower_bound(runs, delta, grid_points: int = DEFAULT_GRID_POINTS) -> float:
+def pld_epsilon_lower_bound(runs, delta, grid_points: int = DEFAULT_GRID_POINTS, max_groups: int | None = None) -> float:
     """A rigorous *lower* bound on the exact epsilon of a ledger (never reported as a guarantee).
 
     The same machinery as :func:`pld_epsilon` run the other way round: groups of pairs
@@ -155,7 +155,7 @@ def pld_epsilon_lower_bound(runs, delta, grid_points: int = DEFAULT_GRID_POINTS)
     """
     delta = check_delta(delta)
     grid_points = _check_grid_points(grid_points)
-    return _pld_epsilon(Ledger(runs).runs, delta, grid_points, lower=True)
+    return _pld_epsilon(Ledger(runs).runs, delta, grid_points, lower=True, max_groups=_check_max_groups(max_groups))
 
 
 def _check_grid_points(grid_points) -> int | None:
@@ -167,6 +167,15 @@ def _check_grid_points(grid_points) -> int | None:
     return grid_points
 
 
+def _check_max_groups(max_groups) -> int | None:
+    if max_groups is None:
+        return None
+    max_groups = check_count(max_groups, "max_groups")
+    if max_groups < 1:
+        raise ValueError(f"max_groups must be at least 1 (or None for the default {MAX_DISTINCT_RUNS}), got {max_groups}")
+    return max_groups
+
+
 def _blind_share(runs) -> float:
     """1 - prod_r (1 - q_r)^{T_r}, rounded up: the chance that a noiseless step saw the example."""
     log_clean = sum(run.count * math.log1p(-run.sample_rate) if run.sample_rate < 1 else -math.inf
@@ -175,7 +184,8 @@ def _blind_share(runs) -> float:
 
 
 @functools.lru_cache(maxsize=256)
-def _pld_epsilon(runs: tuple, delta: float, grid_points: int, lower: bool = False) -> float:
+def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool = False,
+                 max_groups: int | None = None) -> float:
     r"""The PLD epsilon of validated, merged runs, never above the other sound bounds.
 
     **Noiseless steps** (``sigma = 0``) are exact, not infinite. Such a step releases the
@@ -223,7 +233,7 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int, lower: bool = Fals
     if not subsampled:
         return _shifted_max({d: _gaussian_epsilon_bound(deltas[d], mu, lower) for d in deltas}, shift)
     # Full-batch runs compose exactly into one Gaussian step of noise multiplier 1/mu.
-    steps = coarsen_runs(subsampled, optimistic=lower)
+    steps = coarsen_runs(subsampled, max_groups, optimistic=lower)
     if mu > 0:
         steps.append((1.0 / mu, 1.0, 1))
     try:
@@ -1453,6 +1463,11 @@ class PLDAccountant(Accountant):
             chooses it per ledger, from 2**14 to 2**20 points, as coarse as keeps epsilon
             within about 0.1% of what a finer grid gives. More points give a tighter
             epsilon at proportional cost.
+        max_groups: most groups a ledger of many distinct ``(sigma, q)`` pairs is
+            composed in (default ``None``: 64, see
+            :func:`~dpoptim.accounting.ledger.coarsen_runs`). Each group costs one
+            transform per direction; more groups give a tighter epsilon for long
+            schedules at proportional cost (``docs/accounting.md`` measures it).
 
     >>> acc = PLDAccountant().compose(1.1, 0.004, count=10_000)
     >>> round(acc.get_epsilon(1e-5), 2)
@@ -1461,10 +1476,11 @@ class PLDAccountant(Accountant):
 
     name = "pld"
 
-    def __init__(self, grid_points: int | None = None):
+    def __init__(self, grid_points: int | None = None, max_groups: int | None = None):
         super().__init__()
         self.grid_points = _check_grid_points(grid_points)
+        self.max_groups = _check_max_groups(max_groups)
 
     def get_epsilon(self, delta) -> float:
         delta = check_delta(delta)
-        return _pld_epsilon(self.ledger, delta, self.grid_points)
+        return _pld_epsilon(self.ledger, delta, self.grid_points, max_groups=self.max_groups)
