@@ -496,3 +496,13 @@ def test_more_groups_tighten_a_schedule_and_the_limit_is_checked(monkeypatch):
     for bad in (0, -1, 2.5, "64"):
         with pytest.raises((ValueError, TypeError), match="max_groups"):
             pld_epsilon(runs, DELTA, max_groups=bad)
+
+
+def test_mixture_bound_when_almost_every_step_uses_the_example():
+    # q within 1e-14 of 1 over 22,026 steps: the count of uses has a spread of 1e-5, so
+    # the bins of the mixture start and end on the same count; the bound must still be
+    # the analytic Gaussian one (it used to fail with an index error).
+    delta = math.exp(-7.0)
+    value = mixture_epsilon(1.0, 1.0 - 2e-15, 22026, delta)
+    assert value == pytest.approx(gaussian_epsilon(delta, math.sqrt(22026)), rel=1e-6)
+    assert epsilon(1.0, 1.0 - 2e-15, 22026, delta) <= value * (1 + 1e-12)

@@ -173,7 +173,7 @@ def _mixture_bins(sigma: float, q: float, steps: int, tail: float):
 def _count_lattice(bottom: int, top: int) -> np.ndarray:
     """Integer edges from ``bottom`` to ``top + 1``: every count below 4096, then relative
     steps of 2^-12 on a fixed lattice (so nearby parameters share edges)."""
-    small = np.arange(bottom, min(top, 4095) + 1)
+    small = np.arange(bottom, min(top, 4095) + 1) if bottom < 4096 else np.asarray([bottom])
     if top < 4096:
         return np.concatenate([small, [top + 1]]).astype(np.int64)
     j0 = max(0, math.floor(math.log(max(bottom, 4096) / 4096.0) / math.log1p(_MIXTURE_RATIO)))

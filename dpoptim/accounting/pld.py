@@ -221,11 +221,8 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool
         return math.inf
     deltas, shift = _noisy_rest(delta, p0, lower)
     if not lower and not blind and len(noisy) == 1 and noisy[0].sample_rate < 1.0:
-        # Tiny sigma: the Gaussian mixture bound is certified within 0.1% of the exact
-        # epsilon by its own lower bound, and no PLD grid can do noticeably better.
-        sigma, q, count = noisy[0]
-        mixture = mixture_epsilon(sigma, q, count, delta)
-        if 0.0 < mixture < math.inf and mixture_delta_lower_bound(mixture / 1.001, sigma, q, count) > delta:
+        mixture = _certified_mixture(*noisy[0], delta)
+        if mixture is not None:
             return mixture
     full_batch = [run for run in noisy if run.sample_rate == 1.0]
     subsampled = [run for run in noisy if run.sample_rate < 1.0]
@@ -236,13 +233,24 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool
     steps = coarsen_runs(subsampled, max_groups, optimistic=lower)
     if mu > 0:
         steps.append((1.0 / mu, 1.0, 1))
+    rest_delta = (delta - p0) * (1.0 - 1e-12)
+    ceiling = math.inf if lower else _other_bounds(noisy, rest_delta)
     try:
-        pld = _shifted_max(_compose_and_invert(tuple(steps), deltas, grid_points, lower), shift)
+        pld = _shifted_max(_compose_and_invert(tuple(steps), deltas, grid_points, lower, ceiling), shift)
     except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
         pld = 0.0 if lower else math.inf  # no PLD answer here: the other bounds stand
     if lower:
         return pld
-    return min(pld, _other_bounds(noisy, (delta - p0) * (1.0 - 1e-12), pld))
+    return min(pld, ceiling, _all_orders_rdp(noisy, rest_delta, min(pld, ceiling)))
+
+
+def _certified_mixture(sigma: float, q: float, count: int, delta: float) -> float | None:
+    """The Gaussian mixture bound where its own lower bound certifies it within 0.1% of the
+    exact epsilon (tiny sigma: no PLD grid can do noticeably better), else None."""
+    mixture = mixture_epsilon(sigma, q, count, delta)
+    if 0.0 < mixture < math.inf and mixture_delta_lower_bound(mixture / 1.001, sigma, q, count) > delta:
+        return mixture
+    return None
 
 
 def _noisy_rest(delta: float, p0: float, lower: bool) -> tuple[dict, float]:
@@ -257,24 +265,29 @@ def _noisy_rest(delta: float, p0: float, lower: bool) -> tuple[dict, float]:
     return {_REMOVE: (delta - p0) / (1.0 - p0) * (1.0 - 1e-12), _ADD: delta}, -math.log1p(-p0) * (1.0 + 1e-12)
 
 
-def _other_bounds(noisy: tuple, rest_delta: float, pld: float) -> float:
-    """The smallest of the other sound upper bounds on the noisy runs' epsilon at
-    ``rest_delta``: RDP, and the Gaussian mixture where it can win.
-
-    The RDP bound holds at any set of orders. The coarse set of the window comes first
-    (cached, cheap); the full set, which lowers it by a few percent at most, only where
-    that could matter: within 10% of the PLD, on ledgers of a few distinct pairs. The
-    mixture bound gives up the amplification by subsampling: it is above the exact
-    epsilon by far more than the PLD's slack unless sigma is small or q large. Leaving
-    out a sound bound is always sound.
+def _other_bounds(noisy: tuple, rest_delta: float) -> float:
+    """The smallest of the cheap other sound upper bounds on the noisy runs' epsilon at
+    ``rest_delta``: RDP on the window's orders (cached), and the Gaussian mixture where it
+    can win. The mixture bound gives up the amplification by subsampling: it is above the
+    exact epsilon by far more than the PLD's slack unless sigma is small or q large.
+    Leaving out a sound bound is always sound.
     """
-    ledger = Ledger._trusted(noisy)
-    best, _ = epsilon_from_rdp(ledger_rdp(ledger, _WINDOW_ORDERS), _WINDOW_ORDERS, rest_delta)
-    if best < 1.1 * pld and len({run[:2] for run in noisy}) <= 4:
-        best = min(best, epsilon_from_rdp(ledger_rdp(ledger), DEFAULT_ORDERS, rest_delta)[0])
+    best, _ = epsilon_from_rdp(ledger_rdp(Ledger._trusted(noisy), _WINDOW_ORDERS), _WINDOW_ORDERS, rest_delta)
     if min(run[0] for run in noisy) < 0.5 or max(run[1] for run in noisy) > 0.5:
         best = min(best, ledger_mixture_epsilon(noisy, rest_delta))
     return best
+
+
+def _all_orders_rdp(noisy: tuple, rest_delta: float, best: float) -> float:
+    """The RDP bound on all of :data:`~dpoptim.accounting.rdp.DEFAULT_ORDERS` where it could
+    win: a few percent below the window orders' at most, so only within 10% of ``best``,
+    and only on ledgers of a few distinct pairs (else ``inf``)."""
+    ledger = Ledger._trusted(noisy)
+    if len({run[:2] for run in noisy}) > 4:
+        return math.inf
+    if not epsilon_from_rdp(ledger_rdp(ledger, _WINDOW_ORDERS), _WINDOW_ORDERS, rest_delta)[0] < 1.1 * best:
+        return math.inf
+    return epsilon_from_rdp(ledger_rdp(ledger), DEFAULT_ORDERS, rest_delta)[0]
 
 
 def steering_epsilon(base, sigma: float, q: float, count: int, delta: float, grid_count: int = 0,
@@ -343,9 +356,14 @@ class _Grid:
     bottoms: dict | None = None
 
 
-def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, lower: bool = False) -> dict:
-    """Epsilon of each direction, each at its own delta, on one grid (see :func:`_auto_grid`
-    for ``grid_points=None``)."""
+def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, lower: bool = False,
+                        ceiling: float = math.inf) -> dict:
+    """Epsilon of each direction, each at its own delta, on one grid.
+
+    ``grid_points=None``: the grid is sized from the RDP guess of epsilon (see
+    :func:`_choose_grid`), then checked on the PLD's own answer and refined once more
+    where it fails, unless that answer is at or above ``ceiling``: another sound bound
+    that the caller reports instead, so that a finer grid would not change the result."""
     delta = min(deltas.values())
     if lower:
         grid = _choose_grid(steps, delta, _fft_size(grid_points or DEFAULT_GRID_POINTS))
@@ -354,10 +372,14 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
     if grid_points is not None:
         return _compose_on(steps, deltas, _choose_grid(steps, delta, _fft_size(grid_points)))
     first, last = AUTO_GRID_POINTS
-    grid = _choose_grid(steps, delta, first, last, _rdp_guess(steps, delta))
+    guess = _rdp_guess(steps, delta)
+    # Where another bound is already below the RDP guess (the Gaussian mixture, for tiny
+    # sigma), the PLD may not win at all: a first look on at most the usual grid says.
+    shift_until = _fft_size(DEFAULT_GRID_POINTS) if ceiling < guess else None
+    grid = _choose_grid(steps, delta, first, last, guess, shift_until)
     epsilons = _compose_on(steps, deltas, grid)
     guess = max(epsilons.values())
-    if grid.n < last and not _shift_fine(steps, grid.spacing, guess):
+    if grid.n < last and guess < ceiling and not _shift_fine(steps, grid.spacing, guess):
         # The guess was too high: refine on the PLD's own answer, a grid at least twice finer.
         epsilons = _compose_on(steps, deltas, _choose_grid(steps, delta, 2 * grid.n, last, guess))
     return epsilons
@@ -398,15 +420,18 @@ def _shift_fine(steps: tuple, spacing: float, epsilon: float) -> bool:
     return total * spacing * spacing / 8.0 <= _SHIFT_SHARE * epsilon and spacing <= 5e-3 * epsilon
 
 
-def _choose_grid(steps: tuple, delta: float, n: int, last: int | None = None, guess: float | None = None) -> _Grid:
+def _choose_grid(steps: tuple, delta: float, n: int, last: int | None = None, guess: float | None = None,
+                 shift_until: int | None = None) -> _Grid:
     """The grid for ``steps``: the RDP window or a certified narrower one, from ``n``
     points refined (up to ``last``, default _MAX_REFINE times ``n``) until connect-the-dots
-    spreads the loss little and, given a ``guess`` of epsilon, shifts it little."""
+    spreads the loss little and, given a ``guess`` of epsilon, shifts it little (that test
+    only below ``shift_until`` points, when given)."""
     last = _MAX_REFINE * n if last is None else last
     tail = _TAIL_FRACTION * delta
 
     def fine(spacing: float) -> bool:
-        if guess is not None and not _shift_fine(steps, spacing, guess):
+        shift_matters = guess is not None and (shift_until is None or n < shift_until)
+        if shift_matters and not _shift_fine(steps, spacing, guess):
             return False
         return _spread_share(steps, spacing) <= _SPREAD_SHARE
 
