@@ -78,12 +78,15 @@ on what it stands for:
    forbids a strong tilt), the composition is redone in extended precision.
 
 How far above the exact epsilon the answer lies is set by the grid spacing ``h``.
-Connect-the-dots keeps each bin's :math:`P`- and :math:`Q`-mass, so composing only
-spreads the loss by the within-bin variance (at most :math:`h^2/4` per step), and the
-reserved ``delta / 65536`` moves epsilon by about a ten-thousandth. The window, hence
+Connect-the-dots keeps each bin's :math:`P`- and :math:`Q`-mass, so composing spreads
+the loss by the within-bin variance (at most :math:`h^2/4` per step) and raises its mean
+a little, and the reserved ``delta / 65536`` moves epsilon by about a ten-thousandth. The window, hence
 ``h``, grows like :math:`\sqrt T`, so that spread grows like ``T`` relative to the
-loss's own variance; the grid is refined (up to 4 times ``grid_points``) until it is at
-most 0.2% (:func:`_spread_share`), which keeps 10^8 steps within about 0.5%. No
+loss's own variance, and the mean loss rises by about :math:`T h^2 / 8`. By default the
+grid is chosen per ledger, from 2^14 to 2^20 points, until the spread is at most 0.2%
+(:func:`_spread_share`) and the mean shift at most 0.1% of epsilon
+(:func:`_shift_fine`), which keeps 10^8 steps within about 0.5%; an explicit
+``grid_points`` is refined up to 4 times by the spread alone. No
 a-priori bound that tight is claimed: the tests and ``benchmarks/bench_accounting.py``
 bracket the answer with :func:`pld_epsilon_lower_bound`, the same composition with every
 loss rounded *down* (Koskela, Jälkö & Honkela 2020), which is a rigorous lower bound.
