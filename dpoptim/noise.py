@@ -33,13 +33,11 @@ to the next (:data:`PREDRAW_MAX` bounds it).
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
-import threading
 
 import torch
 
-from . import fsdp
+from . import background, fsdp
 from .privatize import add_noise_, fresh_generator, standard_normal
 
 __all__ = ["NoiseMixin"]
@@ -52,30 +50,6 @@ PREDRAW_MIN = 1 << 16
 #: the next forward and backward passes, so it adds one copy of the parameters to the peak
 #: memory of a step: above this size (over 16M parameters) the noise is drawn in step().
 PREDRAW_MAX = 1 << 24
-
-_EXECUTOR: dict = {}  # process id -> the one background thread of that process, started on first use
-_EXECUTOR_LOCK = threading.Lock()
-
-
-def _after_fork_in_child() -> None:
-    # A forked child inherits the parent's executor but not its thread, and maybe a lock
-    # held by a thread that does not exist there: it starts afresh.
-    global _EXECUTOR_LOCK
-    _EXECUTOR_LOCK = threading.Lock()
-    _EXECUTOR.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _executor() -> concurrent.futures.ThreadPoolExecutor:
-    with _EXECUTOR_LOCK:
-        pid = os.getpid()
-        if pid not in _EXECUTOR:
-            _EXECUTOR.clear()
-            _EXECUTOR[pid] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dpoptim-noise")
-        return _EXECUTOR[pid]
 
 
 class _Pending:
@@ -184,7 +158,7 @@ class NoiseMixin:
             pending.future.exception()
         if z is None:
             z = _draw(numel, dtype, device, generator, self.secure_mode)
-        future = _executor().submit(_draw, numel, dtype, device, generator, self.secure_mode)
+        future = background.executor("noise").submit(_draw, numel, dtype, device, generator, self.secure_mode)
         self._pending[device, dtype] = _Pending(key, future)
         return z
 

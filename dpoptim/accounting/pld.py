@@ -107,11 +107,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import threading
 from typing import NamedTuple
 
 import numpy as np
 
+from .. import background
 from .gaussian import (
     gaussian_epsilon,
     gaussian_mu,
@@ -310,7 +312,7 @@ def steering_epsilon(base, sigma: float, q: float, count: int, delta: float, gri
     steps = groups + ((sigma, q, max(count, 1)),)
     try:
         grid = _steering_grid(groups, sigma, q, max(count, grid_count, 1), delta, grid_points)
-        return max(_direction_epsilon(steps, direction, grid, delta, head=len(groups)) for direction in (_REMOVE, _ADD))
+        return max(_both_directions(lambda d: _direction_epsilon(steps, d, grid, delta, head=len(groups))).values())
     except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
         return None
 
@@ -389,7 +391,33 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
 
 
 def _compose_on(steps: tuple, deltas: dict, grid: _Grid) -> dict:
-    return {direction: _direction_epsilon(steps, direction, grid, deltas[direction]) for direction in (_REMOVE, _ADD)}
+    return _both_directions(lambda direction: _direction_epsilon(steps, direction, grid, deltas[direction]))
+
+
+def _both_directions(compose) -> dict:
+    """``{direction: compose(direction)}`` for removal and addition, side by side.
+
+    The two directions are independent compositions of the same cost. Where the process
+    may use two cores or more, addition runs on the accounting's background thread while
+    this one composes removal (numpy's transforms and array arithmetic release the
+    interpreter lock, so they overlap); the values are the same either way.
+    """
+    if _usable_cores() < 2 or threading.current_thread().name.startswith(_THREAD_PREFIX):
+        return {direction: compose(direction) for direction in (_REMOVE, _ADD)}
+    added = background.executor(_THREAD_PURPOSE).submit(compose, _ADD)
+    removed = compose(_REMOVE)
+    return {_REMOVE: removed, _ADD: added.result()}
+
+
+_THREAD_PURPOSE = "accounting"
+_THREAD_PREFIX = f"dpoptim-{_THREAD_PURPOSE}"
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - platforms without affinity
+        return os.cpu_count() or 1
 
 
 #: The grid sizes the accountant chooses from by default (``grid_points=None``).

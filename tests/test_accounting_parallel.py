@@ -1,0 +1,79 @@
+"""The two directions of a PLD composed side by side on a background thread."""
+
+import multiprocessing
+import threading
+
+import pytest
+
+from dpoptim.accounting import epsilon, max_steps
+from dpoptim.accounting import pld as pld_module
+
+DELTA = 1e-5
+LEDGERS = [
+    [(1.1, 0.004, 10_000)],
+    [(1.0 + 0.01 * i, 0.01, 100) for i in range(70)],  # grouped
+    [(0.0, 1e-7, 30), (1.0, 0.01, 1000)],  # noiseless steps shift the add direction
+]
+
+
+def fresh(monkeypatch, cores):
+    monkeypatch.setattr(pld_module, "_usable_cores", lambda: cores)
+    pld_module._pld_epsilon.cache_clear()
+    pld_module._prefix_cache.clear()
+
+
+@pytest.mark.parametrize("runs", LEDGERS, ids=["one run", "schedule", "noiseless first"])
+def test_side_by_side_gives_the_same_epsilon_as_one_after_the_other(runs, monkeypatch):
+    fresh(monkeypatch, 1)
+    alone = pld_module.pld_epsilon(runs, DELTA)
+    fresh(monkeypatch, 2)
+    threads = []
+    compose = pld_module._direction_epsilon
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return compose(*args, **kwargs)
+
+    monkeypatch.setattr(pld_module, "_direction_epsilon", spy)
+    assert pld_module.pld_epsilon(runs, DELTA) == alone
+    assert any(name.startswith("dpoptim-accounting") for name in threads)  # it did run beside
+    assert threading.current_thread().name in threads
+
+
+def test_max_steps_is_the_same_side_by_side(monkeypatch):
+    spent = [(1.0 + 0.02 * i, 0.01, 20) for i in range(70)]
+    fresh(monkeypatch, 1)
+    alone = max_steps(1.5, 0.02, DELTA, 3.0, ledger=spent)
+    fresh(monkeypatch, 2)
+    assert max_steps(1.5, 0.02, DELTA, 3.0, ledger=spent) == alone
+
+
+def test_an_error_in_the_background_direction_reaches_the_caller(monkeypatch):
+    fresh(monkeypatch, 2)
+
+    def failing(direction):
+        if direction == pld_module._ADD:
+            raise FloatingPointError("add failed")
+        return 1.0
+
+    with pytest.raises(FloatingPointError, match="add failed"):
+        pld_module._both_directions(failing)
+
+
+def _child(queue):
+    queue.put(epsilon(1.3, 0.01, 500, DELTA))
+
+
+def test_a_forked_process_starts_its_own_accounting_thread():
+    # The parent's thread does not exist in a forked child: the child must not wait on it.
+    epsilon(1.2, 0.01, 500, DELTA)  # the parent's thread is running now
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_child, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    assert not alive, "the forked child hung on its parent's accounting thread"
+    assert queue.get(timeout=5) == epsilon(1.3, 0.01, 500, DELTA)
