@@ -727,27 +727,10 @@ def _narrow_grid(steps: tuple, grid: _Grid, tail: float, delta: float, fine=None
     grid kept otherwise is coarser still (a candidate must be at most half its spacing),
     so whatever this function would have returned fails ``fine`` too.
     """
-    z = math.sqrt(2.0 * math.log(1.0 / tail))
-    per_run = tail / (2.0 * len(steps))
-    cuts = {d: [_loss_cut(sigma, q, d, per_run / count) for sigma, q, count in steps] for d in (_REMOVE, _ADD)}
-    floors = {d: [_loss_floor(sigma, q, d, per_run / count) for sigma, q, count in steps] for d in (_REMOVE, _ADD)}
-    scale = math.inf
-    for direction in (_REMOVE, _ADD):
-        var = sum(count * _loss_moments(sigma, q, direction, cut)[1]
-                  for (sigma, q, count), cut in zip(steps, cuts[direction]))
-        scale = min(scale, math.sqrt(var))
-    if not scale > 0:
+    guess = _narrow_guess(steps, tail)
+    if guess is None:
         return None
-    lambdas = np.geomspace(1e-3, 4.0, 28) * (z / scale)
-    # The guess: Chernoff edges of the cut distributions, by quadrature.
-    low, high = 0.0, -math.inf
-    for direction in (_REMOVE, _ADD):
-        cgf_up = cgf_down = 0.0
-        for (sigma, q, count), cut, floor in zip(steps, cuts[direction], floors[direction]):
-            cgf_up = cgf_up + count * _loss_log_mgf(sigma, q, direction, floor, cut, lambdas)
-            cgf_down = cgf_down + count * _loss_log_mgf(sigma, q, direction, floor, cut, -lambdas)
-        high = max(high, float(((cgf_up - math.log(tail)) / lambdas).min()))
-        low = min(low, float(((math.log(tail) - cgf_down) / lambdas).max()))
+    low, high, floors, cuts, lambdas = guess
     if (grid.n - 2) * grid.spacing <= 4.0 * (high - low):
         return None
     finest = 2.0 ** math.ceil(math.log2((low + 1.25 * (high - low) - low) / (grid.n - 2)))  # as below
@@ -762,6 +745,38 @@ def _narrow_grid(steps: tuple, grid: _Grid, tail: float, delta: float, fine=None
         if narrow is not None:
             return narrow
     return None
+
+
+@functools.lru_cache(maxsize=16)
+def _narrow_guess(steps: tuple, tail: float):
+    """``(low, high, floors, cuts, lambdas)`` of :func:`_narrow_grid`, whatever the grid
+    size (kept between the sizes :func:`_choose_grid` tries), or None where the cut loss
+    has no spread. Each step's loss is cut where its upper tail falls below ``tail / (2 *
+    len(steps))`` per run and floored where its lower tail does; ``low`` and ``high`` are
+    Chernoff edges of the composed cut losses, by quadrature (a guess, certified later)."""
+    z = math.sqrt(2.0 * math.log(1.0 / tail))
+    per_run = tail / (2.0 * len(steps))
+    cuts = {d: tuple(_loss_cut(sigma, q, d, per_run / count) for sigma, q, count in steps) for d in (_REMOVE, _ADD)}
+    floors = {d: tuple(_loss_floor(sigma, q, d, per_run / count) for sigma, q, count in steps)
+              for d in (_REMOVE, _ADD)}
+    scale = math.inf
+    for direction in (_REMOVE, _ADD):
+        var = sum(count * _loss_moments(sigma, q, direction, cut)[1]
+                  for (sigma, q, count), cut in zip(steps, cuts[direction]))
+        scale = min(scale, math.sqrt(var))
+    if not scale > 0:
+        return None
+    lambdas = np.geomspace(1e-3, 4.0, 28) * (z / scale)
+    lambdas.setflags(write=False)
+    low, high = 0.0, -math.inf
+    for direction in (_REMOVE, _ADD):
+        cgf_up = cgf_down = 0.0
+        for (sigma, q, count), cut, floor in zip(steps, cuts[direction], floors[direction]):
+            cgf_up = cgf_up + count * _loss_log_mgf(sigma, q, direction, floor, cut, lambdas)
+            cgf_down = cgf_down + count * _loss_log_mgf(sigma, q, direction, floor, cut, -lambdas)
+        high = max(high, float(((cgf_up - math.log(tail)) / lambdas).min()))
+        low = min(low, float(((math.log(tail) - cgf_down) / lambdas).max()))
+    return low, high, floors, cuts, lambdas
 
 
 def _certified_grid(steps, n, spacing, low, top_guess, ends, lambdas, tail, delta):
