@@ -555,8 +555,9 @@ def _window_orders() -> np.ndarray:
 _WINDOW_ORDERS = _window_orders()
 
 
+@functools.lru_cache(maxsize=4096)
 def _window_rdp(sigma: float, q: float) -> np.ndarray:
-    return rdp_subsampled_gaussian(sigma, q, _WINDOW_ORDERS)  # cached
+    return rdp_subsampled_gaussian(sigma, q, _WINDOW_ORDERS)
 
 
 def _window(steps: tuple, tail: float, n: int) -> tuple[float, float, float]:
@@ -596,7 +597,8 @@ def _rdp_grid(steps: tuple, tail: float, delta: float, n: int) -> _Grid:
     bottoms, tops = _tail_ends(steps, spacing, i_low, i_low + n - 1, tail)
     rdps = [_window_rdp(sigma, q) for sigma, q, _ in steps]
     lam = _WINDOW_ORDERS - 1.0
-    cgf = sum(count * (lam * r + _log_spread(-lam, spacing)) for r, (_, _, count) in zip(rdps, steps))
+    spread = _log_spread(-lam, spacing)
+    cgf = sum(count * (lam * r + spread) for r, (_, _, count) in zip(rdps, steps))
     return _Grid(spacing, i_low, n, tops, tail, _choose_tilt(lam, cgf, n * spacing, delta), bottoms)
 
 
@@ -660,7 +662,8 @@ def _window_low(rdps, counts, tail, spacing) -> float:
     # log E_P[e^{-alpha L}] = (alpha - 1) D_alpha(Q || P) <= (alpha - 1) rdp(alpha); for
     # lambda = 1 it is log Q(supp P) <= 0. The grid adds at most the spread factor.
     alpha = _WINDOW_ORDERS
-    log_mgf = sum(c * ((alpha - 1.0) * r + _log_spread(alpha, spacing)) for r, c in zip(rdps, counts))
+    spread = _log_spread(alpha, spacing)
+    log_mgf = sum(c * ((alpha - 1.0) * r + spread) for r, c in zip(rdps, counts))
     candidates = (math.log(tail) - log_mgf) / alpha
     return float(min(max(candidates.max(), math.log(tail)), 0.0))
 
@@ -674,10 +677,11 @@ def _window_high(rdps, counts, tail, spacing, low) -> float:
     # lands on a loss <= 0.
     lam = _WINDOW_ORDERS - 1.0
     per_run = tail / (2.0 * len(counts))  # at most what _tail_ends rounds up below a step's bottom
+    spread = _log_spread(-lam, spacing)
     log_mgf = 0.0
     for r, c in zip(rdps, counts):
         pushed = np.logaddexp((1.0 + lam) * low, math.log(max(1e-37, per_run / c)))
-        log_mgf = log_mgf + c * (lam * r + np.logaddexp(_log_spread(-lam, spacing), pushed - lam * r))
+        log_mgf = log_mgf + c * (lam * r + np.logaddexp(spread, pushed - lam * r))
     candidates = (log_mgf - math.log(tail)) / lam
     return float(max(candidates.min(), low + 1.0))
 
