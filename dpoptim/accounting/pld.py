@@ -801,14 +801,17 @@ def _certified_grid(steps, n, spacing, low, top_guess, ends, lambdas, tail, delt
     bottoms = {d: tuple(min(max(i_low, math.floor(f / spacing)), top) for f, top in zip(floors[d], tops[d]))
                for d in floors}
     beyond = (i_low + n) * spacing  # composed indices from here on would wrap
-    log_up = log_down = -math.inf
-    cgf_max = np.full(lambdas.shape, -np.inf)
-    for direction in (_REMOVE, _ADD):
+    def composed_log_mgfs(direction):  # each direction's distributions, computed side by side
         cgf_up = cgf_down = 0.0
         for (sigma, q, count), bottom, top in zip(steps, bottoms[direction], tops[direction]):
             first, masses, _ = _step_distribution(sigma, q, direction, spacing, bottom, top)
             cgf_up = cgf_up + count * _log_mgf(first, masses, spacing, lambdas)
             cgf_down = cgf_down + count * _log_mgf(first, masses, spacing, -lambdas)
+        return cgf_up, cgf_down
+
+    log_up = log_down = -math.inf
+    cgf_max = np.full(lambdas.shape, -np.inf)
+    for cgf_up, cgf_down in _both_directions(composed_log_mgfs).values():
         log_up = max(log_up, float((cgf_up - lambdas * beyond).min()))
         log_down = max(log_down, float((cgf_down + lambdas * low).min()))
         cgf_max = np.maximum(cgf_max, cgf_up)
