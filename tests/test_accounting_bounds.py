@@ -506,3 +506,16 @@ def test_mixture_bound_when_almost_every_step_uses_the_example():
     value = mixture_epsilon(1.0, 1.0 - 2e-15, 22026, delta)
     assert value == pytest.approx(gaussian_epsilon(delta, math.sqrt(22026)), rel=1e-6)
     assert epsilon(1.0, 1.0 - 2e-15, 22026, delta) <= value * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("start, size", [(0, 5), (3, 13), (10, 6), (15, 1), (12, 15)])
+def test_circular_placement_by_slices_equals_the_modulo_index(start, size):
+    from dpoptim.accounting import pld as pld_module
+
+    n = 16
+    values = np.arange(1.0, size + 1.0)
+    by_index, by_slices = np.zeros(n), np.zeros(n)
+    by_index[(start + np.arange(size)) % n] = values
+    for columns, part in pld_module._circular_slices(start, size, n):
+        by_slices[columns] = values[part]
+    assert np.array_equal(by_index, by_slices)

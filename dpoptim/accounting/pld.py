@@ -1128,13 +1128,15 @@ def _transform_batch(items, n: int, tilt: float, dtype, optimistic: bool) -> lis
         for row, (sigma, q, direction, spacing, i_low, i_high, _) in enumerate(items):
             first, tilted, p_inf, log_mgf = _tilted_step(sigma, q, direction, spacing, i_low, i_high, tilt,
                                                          optimistic)
-            where.append((first + np.arange(tilted.size)) % n)  # i_high - i_low < n
-            placed[row, where[-1]] = tilted
+            where.append(_circular_slices(first % n, tilted.size, n))  # i_high - i_low < n
+            for columns, part in where[-1]:
+                placed[row, columns] = tilted[part]
             rest.append((p_inf, log_mgf))
         np.fft.rfft(placed, axis=1, out=spectra)
     finally:
-        for row, columns in enumerate(where):
-            placed[row, columns] = 0.0  # the buffer is all zeros again for the next batch, whatever happened
+        for row, pieces in enumerate(where):
+            for columns, _ in pieces:
+                placed[row, columns] = 0.0  # the buffer is all zeros again for the next batch, whatever happened
     counts = np.array([item[-1] for item in items])
     entries = []
     for row, (cut, log_beyond) in enumerate(_dead_cuts(spectra, counts)):
@@ -1142,6 +1144,15 @@ def _transform_batch(items, n: int, tilt: float, dtype, optimistic: bool) -> lis
         prefix.setflags(write=False)
         entries.append((prefix, log_beyond, *rest[row]))
     return entries
+
+
+def _circular_slices(start: int, size: int, n: int) -> list[tuple[slice, slice]]:
+    """``(columns, part)`` pairs placing ``size < n`` entries at ``start, start + 1, ...``
+    modulo ``n``: one slice, or two where they wrap past the end."""
+    if start + size <= n:
+        return [(slice(start, start + size), slice(0, size))]
+    head = n - start
+    return [(slice(start, n), slice(0, head)), (slice(0, size - head), slice(head, size))]
 
 
 _scratch = threading.local()
