@@ -124,8 +124,8 @@ def calibrate_noise(target_epsilon, delta, sample_rate, steps, accountant: str =
             return _solve(lambda sigma: eps(sigma, "rdp"), target, start)
         # Only a start for the PLD: ten RDP evaluations land close enough.
         guess = _solve(lambda sigma: eps(sigma, "rdp"), target, start, max_evaluations=10)
-        # A PLD on a grid 16 times coarser (an upper bound too, a little looser) brings the
-        # RDP answer to within a fraction of a percent cheaply; the PLD itself finishes.
+        # A PLD on a fixed coarse grid (an upper bound too, a little looser) brings the RDP
+        # answer to within a few percent cheaply; the accountant itself finishes.
         coarse = _solve(lambda sigma: pld_epsilon([(sigma, q, steps)], delta, _COARSE_GRID), target, guess, close=True,
                         max_evaluations=_STEERING_EVALUATIONS)
         return _finish(lambda sigma: eps(sigma, "pld"), target, coarse, q, steps, delta)
