@@ -469,19 +469,20 @@ def _choose_grid(steps: tuple, delta: float, n: int, last: int | None = None, gu
     while True:
         at_last = n >= last
         try:
-            grid = _rdp_grid(steps, tail, delta, n)
+            window = _window(steps, tail, n)
         except FloatingPointError:  # the loss spread at this size outgrows any window
             if at_last:
                 raise
             n *= 2
             continue
         # Not the last size: the narrow grid is only certified when it could end the
-        # refinement (see _narrow_grid's ``fine``), the same grid at a fraction of the cost.
-        narrow = _narrow_grid(steps, grid, tail, delta, None if at_last else fine)
+        # refinement (see _narrow_grid's ``fine``), the same grid at a fraction of the cost;
+        # the RDP grid is only built when it is the one returned.
+        narrow = _narrow_grid(steps, n, window[2], tail, delta, None if at_last else fine)
         if narrow is not _TOO_COARSE:
-            grid = narrow or grid
-            if at_last or fine(grid.spacing):
-                return grid
+            spacing = window[2] if narrow is None else narrow.spacing
+            if at_last or fine(spacing):
+                return narrow or _rdp_grid(steps, tail, delta, n, window)
         n *= 2
 
 
@@ -586,8 +587,8 @@ def _snap(n: int) -> int:
     return max(1, n // 64)
 
 
-def _rdp_grid(steps: tuple, tail: float, delta: float, n: int) -> _Grid:
-    low, high, spacing = _window(steps, tail, n)
+def _rdp_grid(steps: tuple, tail: float, delta: float, n: int, window: tuple | None = None) -> _Grid:
+    low, high, spacing = window or _window(steps, tail, n)
     # The bottom snaps to a multiple of _snap(n), so that nearby ledgers (one more step,
     # max_steps' candidates) share the grid and with it the cached transforms. Keeping
     # mass up to the window's end instead of ``high`` is sound: the wrap-around bound
@@ -710,7 +711,7 @@ def _log_spread(gamma: np.ndarray, spacing: float) -> np.ndarray:
     return np.maximum(result, 0.0)
 
 
-def _narrow_grid(steps: tuple, grid: _Grid, tail: float, delta: float, fine=None):
+def _narrow_grid(steps: tuple, n: int, rdp_spacing: float, tail: float, delta: float, fine=None):
     """A narrower, finer grid for when the RDP-based window is far too wide.
 
     The RDP window is loose when rare, large losses dominate the high-order Rényi
@@ -721,7 +722,7 @@ def _narrow_grid(steps: tuple, grid: _Grid, tail: float, delta: float, fine=None
     left, with moment generating functions by Gauss-Hermite quadrature; and its top is
     *certified* with the exact moment generating function of the grid distributions that
     will be composed: Pr[S >= top] <= min_lambda e^{-lambda top} prod_r M_r(lambda)^{c_r}.
-    Returns None to keep the RDP grid.
+    Returns None to keep the RDP grid (``n`` points of spacing ``rdp_spacing``).
 
     ``fine`` (a test of a spacing, ``True`` for fine enough, monotone: a coarser spacing
     never passes where a finer one fails) lets :func:`_choose_grid` skip certifying a
@@ -735,17 +736,17 @@ def _narrow_grid(steps: tuple, grid: _Grid, tail: float, delta: float, fine=None
     if guess is None:
         return None
     low, high, floors, cuts, lambdas = guess
-    if (grid.n - 2) * grid.spacing <= 4.0 * (high - low):
+    if (n - 2) * rdp_spacing <= 4.0 * (high - low):
         return None
-    finest = 2.0 ** math.ceil(math.log2((low + 1.25 * (high - low) - low) / (grid.n - 2)))  # as below
-    if fine is not None and not fine(finest) and not fine(grid.spacing):
+    finest = 2.0 ** math.ceil(math.log2((low + 1.25 * (high - low) - low) / (n - 2)))  # as below
+    if fine is not None and not fine(finest) and not fine(rdp_spacing):
         return _TOO_COARSE
     for widen in (1.25, 2.0, 4.0):
         top_guess = low + widen * (high - low)
-        spacing = 2.0 ** math.ceil(math.log2((top_guess - low) / (grid.n - 2)))
-        if spacing > grid.spacing / 2:
+        spacing = 2.0 ** math.ceil(math.log2((top_guess - low) / (n - 2)))
+        if spacing > rdp_spacing / 2:
             return None
-        narrow = _certified_grid(steps, grid.n, spacing, low, top_guess, (floors, cuts), lambdas, tail, delta)
+        narrow = _certified_grid(steps, n, spacing, low, top_guess, (floors, cuts), lambdas, tail, delta)
         if narrow is not None:
             return narrow
     return None
