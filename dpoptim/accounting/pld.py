@@ -468,8 +468,8 @@ def _choose_grid(steps: tuple, delta: float, n: int, last: int | None = None, gu
 
     while True:
         at_last = n >= last
-        try:
-            window = _window(steps, tail, n)
+        try:  # a window usually fits at once or after one doubling; else try more points
+            window = _window(steps, tail, n, 64 if at_last else 4)
         except FloatingPointError:  # the loss spread at this size outgrows any window
             if at_last:
                 raise
@@ -561,10 +561,11 @@ def _window_rdp(sigma: float, q: float) -> np.ndarray:
     return rdp_subsampled_gaussian(sigma, q, _WINDOW_ORDERS)
 
 
-def _window(steps: tuple, tail: float, n: int) -> tuple[float, float, float]:
+def _window(steps: tuple, tail: float, n: int, doublings: int = 64) -> tuple[float, float, float]:
     """(low, high, spacing): the composed loss is below ``low`` or at or above ``high``
     with probability at most ``tail`` each, in either direction; ``spacing`` is a power
-    of two with ``high - low <= (n - 2) * spacing``."""
+    of two with ``high - low <= (n - 2) * spacing``. ``FloatingPointError`` where none
+    fits within ``doublings`` doublings of the first spacing tried."""
     rdps = [_window_rdp(sigma, q) for sigma, q, _ in steps]
     counts = [count for _, _, count in steps]
     # The bounds widen slightly with the spacing (the spread factor), so settle the
@@ -573,7 +574,7 @@ def _window(steps: tuple, tail: float, n: int) -> tuple[float, float, float]:
     high = _window_high(rdps, counts, tail, 0.0, low)
     room = n - 2 - _snap(n)  # the window's bottom may move down by up to _snap(n) bins
     spacing = 2.0 ** math.ceil(math.log2((high - low) / room))
-    for _ in range(64):
+    for _ in range(doublings):
         low = _window_low(rdps, counts, tail, spacing)
         high = _window_high(rdps, counts, tail, spacing, low)
         if high - low <= room * spacing:
