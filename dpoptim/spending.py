@@ -72,19 +72,36 @@ class SpendingMixin:
         return PrivacySpent(float(eps), delta)
 
     def _check_budget(self, sigma: float, q: float) -> None:
-        """Raise before a step that would exceed ``max_epsilon``. The number of steps the
-        budget allows at (sigma, q) is computed once per change of settings, not per step."""
+        """Raise before a step that would exceed ``max_epsilon``.
+
+        The number of steps the budget allows at (sigma, q) is computed once per change of
+        settings (:func:`~dpoptim.accounting.max_steps`, a search), not per step. Where the
+        settings changed at the previous step too (a schedule that changes every step), the
+        search would be repeated at every step for one step's use: the accountant is asked
+        instead whether the ledger with this one step fits, the same criterion as the
+        search's, at the cost of one evaluation. The cache records
+        ``(settings, steps allowed up to, step it was computed at, whether only one step
+        was checked)``; a one-step answer is asked again at the next step.
+        """
         if self.max_epsilon is None:
             return
         key = (sigma, q, self.delta, self.max_epsilon, self.accountant)
-        if self._budget_cache is None or self._budget_cache[0] != key:
+        cache = self._budget_cache
+        taken = self.steps_taken
+        if cache is None or cache[0] != key or (cache[3] and taken >= cache[1]):
             from . import accounting
 
-            allowed = accounting.max_steps(
-                sigma, q, self.delta, self.max_epsilon, ledger=self.ledger, accountant=self.accountant
-            )
-            self._budget_cache = (key, self.steps_taken + allowed)
-        if self.steps_taken >= self._budget_cache[1]:
+            if cache is not None and cache[0] != key and cache[2] == taken - 1:
+                fits = accounting.epsilon_of_ledger(
+                    [*self.ledger, (sigma, q, 1)], self.delta, accountant=self.accountant) <= self.max_epsilon
+                cache = (key, taken + int(fits), taken, True)
+            else:
+                allowed = accounting.max_steps(
+                    sigma, q, self.delta, self.max_epsilon, ledger=self.ledger, accountant=self.accountant
+                )
+                cache = (key, taken + allowed, taken, False)
+            self._budget_cache = cache
+        if taken >= cache[1]:
             raise PrivacyBudgetExceeded(
                 f"one more step at noise_multiplier={sigma}, sample_rate={q} would spend more than "
                 f"max_epsilon={self.max_epsilon} at delta={self.delta} "

@@ -519,3 +519,40 @@ def test_circular_placement_by_slices_equals_the_modulo_index(start, size):
     for columns, part in pld_module._circular_slices(start, size, n):
         by_slices[columns] = values[part]
     assert np.array_equal(by_index, by_slices)
+
+
+def test_the_budget_stop_follows_a_schedule_that_changes_every_step(monkeypatch):
+    # A noise multiplier that changes at every step: the budget stop asks the accountant
+    # whether one more step fits instead of searching max_steps at every step, and still
+    # stops exactly where the reported epsilon would pass the budget.
+    import torch
+    from torch import nn
+
+    import dpoptim
+    from dpoptim import accounting
+
+    def sigma_at(t):
+        return 1.5 - 0.02 * t
+
+    def ledger_of(steps):
+        return [(sigma_at(t), 0.2, 1) for t in range(steps)]
+
+    budget = 0.5 * sum(epsilon_of_ledger(ledger_of(k), DELTA) for k in (18, 19))  # between 18 and 19 steps
+    searches = []
+    search = accounting.max_steps
+    monkeypatch.setattr(accounting, "max_steps", lambda *a, **k: searches.append(1) or search(*a, **k))
+    model = nn.Linear(3, 1)
+    opt = dpoptim.DPSGD(model.parameters(), lr=0.0, noise_multiplier=sigma_at(0), max_grad_norm=1.0,
+                        expected_batch_size=4, sample_rate=0.2, max_epsilon=budget, delta=DELTA)
+    x = torch.zeros(4, 3)
+    taken = 0
+    with pytest.raises(dpoptim.PrivacyBudgetExceeded):
+        for taken in range(100):
+            opt.noise_multiplier = sigma_at(taken)
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    assert taken == 18 and opt.steps_taken == 18
+    assert opt.privacy_spent().epsilon <= budget
+    assert epsilon_of_ledger([*opt.ledger, (sigma_at(18), 0.2, 1)], DELTA) > budget
+    assert len(searches) <= 2  # the first step, and the first change; then one-step checks
