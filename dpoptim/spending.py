@@ -16,6 +16,15 @@ class PrivacySpent(NamedTuple):
     delta: float
 
 
+class _BudgetAnswer(NamedTuple):
+    """What the budget stop last computed: steps up to ``limit`` fit at ``settings``."""
+
+    settings: tuple
+    limit: int
+    computed_at: int  # steps taken when it was computed
+    one_step: bool  # only the next step was checked: ask again after it
+
+
 class SpendingMixin:
     """Ledger, accounting and checkpoints of a DP optimizer. The optimizer sets
     ``self._composed`` (a :class:`dpoptim.accounting.Ledger`), ``self._latest``,
@@ -79,29 +88,27 @@ class SpendingMixin:
         settings changed at the previous step too (a schedule that changes every step), the
         search would be repeated at every step for one step's use: the accountant is asked
         instead whether the ledger with this one step fits, the same criterion as the
-        search's, at the cost of one evaluation. The cache records
-        ``(settings, steps allowed up to, step it was computed at, whether only one step
-        was checked)``; a one-step answer is asked again at the next step.
+        search's, at the cost of one evaluation (:class:`_BudgetAnswer`).
         """
         if self.max_epsilon is None:
             return
         key = (sigma, q, self.delta, self.max_epsilon, self.accountant)
         cache = self._budget_cache
         taken = self.steps_taken
-        if cache is None or cache[0] != key or (cache[3] and taken >= cache[1]):
+        if cache is None or cache.settings != key or (cache.one_step and taken >= cache.limit):
             from . import accounting
 
-            if cache is not None and cache[0] != key and cache[2] == taken - 1:
+            if cache is not None and cache.settings != key and cache.computed_at == taken - 1:
                 fits = accounting.epsilon_of_ledger(
                     [*self.ledger, (sigma, q, 1)], self.delta, accountant=self.accountant) <= self.max_epsilon
-                cache = (key, taken + int(fits), taken, True)
+                cache = _BudgetAnswer(key, taken + int(fits), taken, True)
             else:
                 allowed = accounting.max_steps(
                     sigma, q, self.delta, self.max_epsilon, ledger=self.ledger, accountant=self.accountant
                 )
-                cache = (key, taken + allowed, taken, False)
+                cache = _BudgetAnswer(key, taken + allowed, taken, False)
             self._budget_cache = cache
-        if taken >= cache[1]:
+        if taken >= cache.limit:
             raise PrivacyBudgetExceeded(
                 f"one more step at noise_multiplier={sigma}, sample_rate={q} would spend more than "
                 f"max_epsilon={self.max_epsilon} at delta={self.delta} "
