@@ -8,7 +8,7 @@
 Timed rows use a noise multiplier no cache has seen (a tiny offset). Wall and CPU time are
 both shown: on a busy machine the wall time of a single-threaded computation grows with
 the load while its CPU time does not. ``--bracket`` adds an independent rigorous lower
-bound to each epsilon row (the optimistic PLD, or the shifted Gaussian mixture for tiny
+bound to each epsilon row (the dominated PLD, or the shifted Gaussian mixture for tiny
 sigma, or the analytic Gaussian for q = 1) and the gap to it: the exact epsilon lies in
 ``[lower, reported]``. Google's ``dp_accounting`` (PLD, and RDP) and Opacus' PRV
 accountant are shown beside dpoptim when installed; neither is required.
@@ -69,12 +69,9 @@ def _ledgers():
 
 
 def _lower_bound(ledger, delta):
-    """A rigorous lower bound, or None where none within reach is known.
-
-    Rounding every loss down costs up to one grid step per step, so the optimistic PLD is
-    only informative for up to about 10^4 steps; beyond, only the mixture bound (tiny
-    sigma) gives a lower side.
-    """
+    """A rigorous lower bound: the largest of the dominated PLD (merged bins, any number
+    of steps; up to 512 groups, each at its largest sigma and smallest q) and, for a
+    single run, the shifted Gaussian mixture (tight for tiny sigma)."""
     noisy = [run for run in ledger if run[0] > 0]
     mixture = 0.0
     if len(noisy) == len(ledger) == 1:
@@ -82,9 +79,8 @@ def _lower_bound(ledger, delta):
         mixture = mixture_epsilon_lower_bound(sigma, q, steps, delta)
         if sigma < 0.1 or q == 1.0:
             return mixture
-    if sum(run[2] for run in noisy) > 20_000:
-        return mixture or None
-    return max(mixture, pld_epsilon_lower_bound(ledger, delta, grid_points=2**20))
+    pairs = len({(sigma, q) for sigma, q, _ in noisy})
+    return max(mixture, pld_epsilon_lower_bound(ledger, delta, max_groups=min(max(pairs, 1), 512)))
 
 
 _PEER_MEMORY = 6 * 2**30  # bytes of address space a peer may use

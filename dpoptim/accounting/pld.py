@@ -148,15 +148,17 @@ def pld_epsilon(runs, delta, grid_points: int | None = None, max_groups: int | N
     return _pld_epsilon(Ledger(runs).runs, delta, grid_points, max_groups=_check_max_groups(max_groups))
 
 
-def pld_epsilon_lower_bound(runs, delta, grid_points: int = DEFAULT_GRID_POINTS, max_groups: int | None = None) -> float:
+def pld_epsilon_lower_bound(runs, delta, grid_points: int | None = None, max_groups: int | None = None) -> float:
     """A rigorous *lower* bound on the exact epsilon of a ledger (never reported as a guarantee).
 
     The same machinery as :func:`pld_epsilon` run the other way round: groups of pairs
     take their largest sigma and smallest q (:func:`~dpoptim.accounting.ledger.coarsen_runs`
-    with ``optimistic=True``), each bin's mass goes to its *lower* end, mass beyond the
-    window is dropped, and the wrap-around and floating-point bounds are *subtracted*
-    from delta. Every one of these can only lower delta, so the epsilon read off is at
-    most the exact one. Tests and benchmarks bracket the reported epsilon between the two.
+    with ``optimistic=True``), each step's bins are merged into a *dominated* pair on the
+    grid (:func:`_dominated_masses`), mass beyond the window is dropped, and the
+    wrap-around and floating-point bounds are *subtracted* from delta. Every one of these
+    can only lower delta, so the epsilon read off is at most the exact one. The grid is
+    chosen as for :func:`pld_epsilon` (or ``grid_points``). Tests and benchmarks bracket
+    the reported epsilon between the two.
     """
     delta = check_delta(delta)
     grid_points = _check_grid_points(grid_points)
@@ -370,28 +372,33 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
     where it fails, unless that answer is at or above ``ceiling``: another sound bound
     that the caller reports instead, so that a finer grid would not change the result."""
     delta = min(deltas.values())
-    if lower:
-        grid = _choose_grid(steps, delta, _fft_size(grid_points or DEFAULT_GRID_POINTS))
-        return {direction: _direction_lower(steps, direction, _lower_grid(steps, direction, grid), deltas[direction])
-                for direction in (_REMOVE, _ADD)}
+    compose_on = _lower_on if lower else _compose_on
     if grid_points is not None:
-        return _compose_on(steps, deltas, _choose_grid(steps, delta, _fft_size(grid_points)))
+        return compose_on(steps, deltas, _choose_grid(steps, delta, _fft_size(grid_points)))
     first, last = AUTO_GRID_POINTS
+    if lower:  # a lower bound (for tests and benchmarks) may take finer grids
+        first, last = _fft_size(DEFAULT_GRID_POINTS), 4 * last
     guess = _rdp_guess(steps, delta)
     # Where another bound is already below the RDP guess (the Gaussian mixture, for tiny
     # sigma), the PLD may not win at all: a first look on at most the usual grid says.
     shift_until = _fft_size(DEFAULT_GRID_POINTS) if ceiling < guess else None
     grid = _choose_grid(steps, delta, first, last, guess, shift_until)
-    epsilons = _compose_on(steps, deltas, grid)
+    epsilons = compose_on(steps, deltas, grid)
     guess = max(epsilons.values())
     if grid.n < last and guess < ceiling and not _shift_fine(steps, grid.spacing, guess):
         # The guess was too high: refine on the PLD's own answer, a grid at least twice finer.
-        epsilons = _compose_on(steps, deltas, _choose_grid(steps, delta, 2 * grid.n, last, guess))
+        epsilons = compose_on(steps, deltas, _choose_grid(steps, delta, 2 * grid.n, last, guess))
     return epsilons
 
 
 def _compose_on(steps: tuple, deltas: dict, grid: _Grid) -> dict:
     return _both_directions(lambda direction: _direction_epsilon(steps, direction, grid, deltas[direction]))
+
+
+def _lower_on(steps: tuple, deltas: dict, grid: _Grid) -> dict:
+    """:func:`_compose_on` for the rigorous lower bound (see :func:`pld_epsilon_lower_bound`)."""
+    return _both_directions(
+        lambda direction: _direction_lower(steps, direction, _lower_grid(steps, direction, grid), deltas[direction]))
 
 
 def _both_directions(compose) -> dict:
@@ -491,22 +498,20 @@ _TOO_COARSE = object()
 
 
 def _lower_grid(steps, direction, grid: _Grid) -> _Grid:
-    """The window moved down by the most that rounding down can shift the composed loss.
+    """The window moved down by a margin for the dominated distributions' lower mean.
 
-    Rounding each step's loss down moves it by less than one bin, so the composed loss
-    moves down by less than ``steps`` bins, and without a wider window the mass that the
-    upper window kept just above its bottom could wrap around to its top. The window is
-    moved down by that many bins (at most half its width); the top of each step is
-    clipped to the new window (mass above it is rounded down to the top, still
-    optimistic). Whatever still falls below is bounded and subtracted.
+    Merging bins (:func:`_dominated_masses`) loses the loss variance within about a bin,
+    which lowers each step's mean loss by about :math:`h^2/8` at most, so the composed
+    loss sits up to about :math:`T h^2 / 8` lower than the window was placed for. The
+    window is moved down by twice that (at most a quarter of its width), and the top of
+    each step clipped to the new window (its mass above is rounded down to the top).
+    Whatever still falls below is bounded and subtracted (:func:`_below_window`), so the
+    margin only affects how tight the bound is.
     """
     total = sum(count for _, _, count in steps)
-    i_low = grid.i_low - min(total + 1, grid.n // 2)
-    if i_low == grid.i_low:
-        return grid
-    i_top = i_low + grid.n - 1
+    i_low = grid.i_low - min(math.ceil(total * grid.spacing / 4.0) + 1, grid.n // 4)
     tops = dict(grid.tops)
-    tops[direction] = tuple(min(top, i_top) for top in grid.tops[direction])
+    tops[direction] = tuple(min(top, i_low + grid.n - 1) for top in grid.tops[direction])
     return dataclasses.replace(grid, i_low=i_low, tops=tops)
 
 
@@ -998,12 +1003,8 @@ def _grid_distribution(sigma: float, q: float, direction: str, spacing: float, i
     Returns ``(first, masses, p_inf)``: ``masses[k]`` is the P-mass at loss
     ``(first + k) * spacing`` and ``p_inf`` the mass at ``+inf``.
 
-    ``optimistic=True`` builds the *dominated* distribution used only for lower bounds:
-    each bin's P-mass goes to its lower end (the loss rounded down, which leaves the
-    P-distribution in place and raises the Q-mass to ``P e^{-l_i}``; every hockey-stick
-    divergence :math:`\sum (p - e^\varepsilon q)_+` can only fall, also after
-    composition, where the products of the raised Q-masses are still larger), mass below
-    the grid is dropped and mass above it rounded down to the top point.
+    ``optimistic=True`` builds a *dominated* distribution instead, used only for lower
+    bounds: the same bins, merged onto the grid by :func:`_dominated_masses`.
     """
     # Keep to where the Gaussian components have mass; outside, bins are empty.
     lo, hi = _support(sigma, q, direction, spacing, i_low, i_high)
@@ -1022,11 +1023,12 @@ def _grid_distribution(sigma: float, q: float, direction: str, spacing: float, i
         log_p = log_n1
         log_qq = np.logaddexp(log_q + log_n0, log_1mq + log_n1)
     p = np.exp(log_p)
-    masses = np.zeros(hi - lo + 1)
     if optimistic:
-        masses += p[1:]  # bin (l_i, l_i+1] to l_i; the bin above the grid to its top point
+        errors = _bin_errors(sigma, q, direction, edges, log_n0, log_n1, log_p, log_qq)
+        masses = _dominated_masses(p, np.exp(log_qq), errors, lo, spacing)
         masses.setflags(write=False)
         return lo, masses, 0.0
+    masses = np.zeros(hi - lo + 1)
     masses[0] += p[0]  # the bin below the grid: rounded up to its lowest point
     # Interior bins: split (P, Q) between the end points so that both masses are kept:
     # right share = (1 - e^{l_i} Q / P) / (1 - e^{-h}).
@@ -1043,6 +1045,102 @@ def _grid_distribution(sigma: float, q: float, direction: str, spacing: float, i
     p_inf = p[-1] * (1.0 - kept)
     masses.setflags(write=False)
     return lo, masses, p_inf
+
+
+def _dominated_masses(p: np.ndarray, q: np.ndarray, errors: np.ndarray, first: int, spacing: float) -> np.ndarray:
+    r"""P-masses on grid points ``first .. first + p.size - 2`` of a pair *dominated* by
+    the step's: a lower bound on every composed privacy profile.
+
+    ``p`` and ``q`` are the P- and Q-masses of the bins of ``z`` cut at the grid losses
+    (the first below the grid, the last above it), each within a relative ``errors`` of
+    the exact masses; their losses :math:`\log(p_j/q_j)` increase with ``j``. Any
+    randomised post-processing of the output gives a pair whose every hockey-stick
+    divergence is at most the original's (data processing), and composition keeps that.
+    The post-processing used here merges consecutive bins, and a fraction ``f`` of the
+    next one, into one outcome whose loss :math:`\log\frac{P + f p_j}{Q + f q_j}` is
+    the next grid value above the merged ones (``f`` solves a linear equation). Each
+    outcome therefore lies on the grid, and the merged bins lose only the loss variance
+    within about one bin. This is the dominated counterpart of connect-the-dots
+    (Doroshenko et al. 2022), which splits bins to dominate instead; rounding each bin
+    down to its grid point would shift the composed loss by about half a bin per step,
+    useless beyond 10^5 steps.
+
+    What is left unmerged at the end is placed at the grid point at or below its merged
+    loss, at most the top: rounding a loss down, which lowers every profile (pointwise in
+    the loss). Floating point: an outcome made of bins whose masses err by at most a
+    relative :math:`\kappa` has a loss within :math:`2.5\kappa` of the computed one, so
+    it is aimed that far above its grid point (plus a few round-offs), and its P-mass is
+    scaled down by as much. Bins that err by 10% or more are dropped.
+    """
+    size = p.size - 1
+    out = [0.0] * size
+    margins = 2.5 * np.asarray(errors) + 8.0 * _U
+    usable = (q > 0.0) & (margins < 0.25)  # dropping a bin only lowers a profile
+    # e^(grid value), rounded up, per grid point; inf where that overflows: no outcome aims there.
+    exponents = (first + np.arange(size)) * spacing
+    with np.errstate(over="ignore"):
+        aims = np.where(exponents < 709.0, np.exp(np.minimum(exponents, 709.0)) * (1.0 + 4.0 * _U * (2.0 + np.abs(exponents))),
+                        np.inf).tolist()
+    k, target = 0, aims[0]  # the next grid point, e^(its loss)
+    held_p = held_q = held_margin = 0.0  # merged mass not yet placed, and its margin
+    for p_j, q_j, margin_j in zip(p[usable].tolist(), q[usable].tolist(), margins[usable].tolist()):
+        margin = max(held_margin, margin_j)
+        while k < size and p_j > target * (1.0 + 2.0 * margin) * q_j:  # loss above the grid value + margin
+            aim = target * (1.0 + 2.0 * margin)  # at least e^(grid value + margin)
+            f = max((aim * held_q - held_p) / (p_j - aim * q_j), 0.0)
+            if f > 1.0:
+                break  # even all of it leaves the merged loss below that value
+            out[k] += (held_p + f * p_j) * (1.0 - margin)
+            p_j, q_j = p_j * (1.0 - f), q_j * (1.0 - f)
+            held_p = held_q = held_margin = 0.0
+            margin = margin_j
+            k += 1
+            target = aims[k] if k < size else math.inf
+        held_p += p_j
+        held_q += q_j
+        held_margin = max(held_margin, margin_j)
+    if held_p > 0.0:  # the rest, at the grid point at or below its merged loss
+        at = math.floor((math.log(held_p) - math.log(held_q) - held_margin) / spacing) - first
+        if at >= 0:
+            out[min(at, size - 1)] += held_p * (1.0 - held_margin)
+    return np.asarray(out)
+
+
+def _bin_errors(sigma, q, direction, edges, log_n0, log_n1, log_p, log_qq) -> np.ndarray:
+    """Bound on the relative error of both computed masses (P and Q) of each bin: a
+    mixture errs by the average of its components' errors, weighted by their shares,
+    and the exponential adds a few round-offs of the logarithm's size."""
+    error0, error1 = _gauss_bins_error(edges / sigma), _gauss_bins_error((edges - 1.0) / sigma)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        log_1mq = math.log1p(-q) if q < 1 else -math.inf
+        log_mixture = log_p if direction == _REMOVE else log_qq
+        first, second = (log_1mq, math.log(q)) if direction == _REMOVE else (math.log(q), log_1mq)
+        share0, share1 = np.exp(first + log_n0 - log_mixture), np.exp(second + log_n1 - log_mixture)
+        mixture = np.where(share0 > 0, share0 * error0, 0.0) + np.where(share1 > 0, share1 * error1, 0.0)
+        single = error0 if direction == _REMOVE else error1
+        out = np.maximum(mixture, single) + 4.0 * _U * (2.0 + np.abs(log_p) + np.abs(log_qq))
+    return np.where(np.isnan(out), np.inf, out)
+
+
+def _gauss_bins_error(x: np.ndarray) -> np.ndarray:
+    r"""Bound on the relative error of each bin mass ``exp(_log_gauss_bins(x))``.
+
+    A bin's log-mass is :math:`\log(1 - e^{-d}) + t` with ``t`` the larger log-tail and
+    ``d`` the difference of the two log-tails (each accurate to a few round-offs of its
+    size): the error of ``d`` is amplified by :math:`1/(e^d - 1)`, large for narrow bins
+    far in a tail.
+    """
+    tail = log_ndtr(-np.abs(x))
+    ta, tb = tail[:-1], tail[1:]
+    size = np.where(np.isinf(tail), 0.0, np.abs(tail))  # an infinite edge's tail is exactly 0
+    sa, sb = size[:-1], size[1:]
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        gap = np.abs(tb - ta)
+        amplified = np.where(np.isinf(gap), 0.0, 8.0 * _U * (sa + sb) / np.expm1(gap))
+        out = amplified + 8.0 * _U * (1.0 + np.maximum(sa, sb))
+    across = (x[:-1] < 0) & (x[1:] > 0)
+    out[across] = 8.0 * _U
+    return np.where(np.isnan(out), np.inf, out)
 
 
 def _tilted_step(sigma, q, direction, spacing, i_low, i_high, tilt, optimistic=False):
@@ -1350,7 +1448,7 @@ def _below_window(steps, direction, grid: _Grid) -> float:
     moment generating function of the grid distributions composed. Mass above the window
     wraps to low losses, which can only lower delta: harmless for a lower bound.
     """
-    lambdas = np.geomspace(1e-3, 1e3, 37)
+    lambdas = np.geomspace(1e-3, 1e9, 61)  # narrow loss distributions need large lambdas
     log_down = np.zeros_like(lambdas)
     for (sigma, q, count), top in zip(steps, grid.tops[direction]):
         first, masses, _ = _step_distribution(sigma, q, direction, grid.spacing, grid.i_low, top, True)
@@ -1432,30 +1530,23 @@ def _invert_profile(tilted, log_untilt, losses, constant, noise, delta, lower: b
     if not lower and losses[-1] - losses[first_valid] < 600.0:
         return _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, first_valid)
     masses = np.where(valid, tilted * np.exp(np.minimum(log_untilt, 300.0)), 0.0)
-    if lower:
-        # Each entry is at least its computed value less its rounding bound (and >= 0).
-        with np.errstate(over="ignore"):
-            masses = np.maximum(masses - noise * np.exp(np.minimum(log_untilt, 700.0)), 0.0)
-        noise = 0.0
-    above = _suffix_sum(masses)
-    weighted = _weighted_suffix_sum(masses, losses, first_valid)
     # noise * sum over j > k of e^{log_untilt_j}: a geometric series in closed form.
     decay = float(log_untilt[0] - log_untilt[1])  # tilt * spacing
     remaining = (n - 1 - np.arange(n)).astype(float)
     series = np.exp(-decay) * -np.expm1(-decay * remaining) / -math.expm1(-decay) if decay > 0 else remaining
     with np.errstate(over="ignore", invalid="ignore"):
         allowance = noise * np.exp(np.minimum(log_untilt, 700.0)) * series
-        profile = constant + allowance + np.maximum(above - weighted, 0.0)
     if lower:
-        # Entries left out (below first_valid) only lower this profile: still a lower bound.
-        profile[np.isnan(profile)] = 0.0
-        certified = np.flatnonzero(profile <= delta)
-        if certified.size == 0:
-            return float(losses[-1]), False
-        k = int(certified[0])
-        # delta(eps) > delta on every grid point below l_k, and the profile does not
-        # increase, so the exact epsilon is at least l_{k-1}.
-        return max(float(losses[max(k - 1, 0)]), 0.0), False
+        # Each entry is at least its computed value less its rounding bound (and >= 0);
+        # ``allowance`` is then what was taken off above each grid point.
+        with np.errstate(over="ignore"):
+            masses = np.maximum(masses - noise * np.exp(np.minimum(log_untilt, 700.0)), 0.0)
+    above = _suffix_sum(masses)
+    weighted = _weighted_suffix_sum(masses, losses, first_valid)
+    with np.errstate(over="ignore", invalid="ignore"):
+        profile = constant + (0.0 if lower else allowance) + np.maximum(above - weighted, 0.0)
+    if lower:
+        return _lower_answer(profile, allowance, above, weighted, losses, constant, delta)
     profile[: first_valid + 1] = np.inf
     profile[np.isnan(profile)] = np.inf
     certified = np.flatnonzero(profile <= delta)
@@ -1492,6 +1583,38 @@ def _within_bin(excess: float, weighted: float, losses: np.ndarray, k: int) -> f
             ratio = float(excess / weighted)
         epsilon = losses[k - 1] + math.log(ratio) if ratio < math.inf else losses[k]
     return max(float(min(max(epsilon, losses[k - 1]), losses[k])), 0.0)
+
+
+def _lower_answer(profile, allowance, above, weighted, losses, constant, delta) -> tuple[float, bool]:
+    """:func:`_invert_profile`'s answer for a lower bound: the largest epsilon below which
+    the (lowered) profile is certainly above ``delta``, and whether the rounding taken
+    off there exceeds ``delta / 100``."""
+    # Entries left out (below first_valid) only lower this profile: still a lower bound.
+    profile[np.isnan(profile)] = 0.0
+    certified = np.flatnonzero(profile <= delta)
+    if certified.size == 0:
+        return float(losses[-1]), False
+    k = int(certified[0])
+    binding = not allowance[max(k - 1, 0)] <= delta / 100.0
+    if k == 0:
+        return max(float(losses[0]), 0.0), binding
+    # delta(eps) > delta below the crossing in (l_{k-1}, l_k], and the profile does not
+    # increase, so the exact epsilon is at least that crossing.
+    scale = abs(constant) + float(above[k - 1]) + delta
+    return _within_bin_lower(constant + above[k - 1] - delta, scale, float(weighted[k - 1]), losses, k), binding
+
+
+def _within_bin_lower(excess: float, scale: float, weighted: float, losses: np.ndarray, k: int) -> float:
+    r""":func:`_within_bin` for a lower bound: the crossing moved down by a bound on its
+    rounding error, never below :math:`l_{k-1}`. ``excess`` is a difference of terms of
+    total size ``scale`` and ``weighted`` a sum, both of at most ``n`` terms, so their
+    relative errors are at most :math:`n u\,\text{scale}/\text{excess}` and :math:`n u`;
+    the crossing is the logarithm of their ratio."""
+    if not (math.isfinite(excess) and excess > 0.0 and weighted > 0.0):
+        return max(float(losses[k - 1]), 0.0)
+    epsilon = _within_bin(excess, weighted, losses, k)
+    error = 4.0 * losses.size * _U * (scale / excess + 1.0) + 4.0 * _U * abs(epsilon)
+    return max(epsilon - error, float(losses[k - 1]), 0.0)
 
 
 def _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, first_valid) -> tuple[float, bool]:
