@@ -123,11 +123,13 @@ def calibrate_noise(target_epsilon, delta, sample_rate, steps, accountant: str =
         if name == "rdp":
             return _solve(lambda sigma: eps(sigma, "rdp"), target, start)
         # Only a start for the PLD: ten RDP evaluations land close enough.
-        guess = _solve(lambda sigma: eps(sigma, "rdp"), target, start, max_evaluations=10)
+        guess = _solve(lambda sigma: eps(sigma, "rdp"), target, start, max_evaluations=10,
+                       tolerance=_STEERING_TOLERANCE)
         # A PLD on a fixed coarse grid (an upper bound too, a little looser) brings the RDP
         # answer to within a few percent cheaply; the accountant itself finishes.
         coarse = _solve(lambda sigma: pld_epsilon([(sigma, q, steps)], delta, _COARSE_GRID), target, guess, close=True,
-                        max_evaluations=_STEERING_EVALUATIONS)
+                        max_evaluations=_STEERING_EVALUATIONS, tolerance=_STEERING_TOLERANCE,
+                        resolution=_STEERING_RESOLUTION)
         return _finish(lambda sigma: eps(sigma, "pld"), target, coarse, q, steps, delta)
     if name == "rdp":
         raise ValueError(
@@ -136,7 +138,8 @@ def calibrate_noise(target_epsilon, delta, sample_rate, steps, accountant: str =
             f"use accountant='pld', which meets any positive target"
         )
     coarse = _solve(lambda sigma: pld_epsilon([(sigma, q, steps)], delta, _COARSE_GRID), target, start,
-                    max_evaluations=_STEERING_EVALUATIONS)
+                    max_evaluations=_STEERING_EVALUATIONS, tolerance=_STEERING_TOLERANCE,
+                        resolution=_STEERING_RESOLUTION)
     return _finish(lambda sigma: eps(sigma, "pld"), target, coarse, q, steps, delta)
 
 
@@ -147,6 +150,14 @@ _COARSE_GRID = 2**14
 #: coarse PLD jumps by up to a quarter where its power-of-two spacing changes, so closing
 #: in on its own answer further gains nothing.
 _STEERING_EVALUATIONS = 12
+
+#: A steering search stops within this share of the target: the coarse PLD itself is a
+#: few percent (at tiny q, tens of percent) off the accountant, so closer is wasted.
+_STEERING_TOLERANCE = 0.02
+
+#: ... and once its bracket on sigma is this narrow (relative): where the coarse PLD
+#: jumps, it may never land within the tolerance, and narrower brackets tell nothing more.
+_STEERING_RESOLUTION = 0.005
 
 #: Largest noise multiplier a calibration tries before giving up.
 _SIGMA_MAX = 1e15
@@ -223,7 +234,7 @@ def _coarse_slope(sigma: float, q: float, steps: int, delta: float) -> float:
 
 
 def _solve(eps_of, target: float, start: float, close: bool = False, max_evaluations: int = 0,
-           slope: float = 2.0) -> float:
+           slope: float = 2.0, tolerance: float = _CALIBRATION_TOLERANCE, resolution: float = 1e-12) -> float:
     """A sigma with ``target (1 - tolerance) <= eps_of(sigma) <= target``, or else the
     smallest evaluated feasible sigma once the bracket cannot shrink further.
 
@@ -232,8 +243,10 @@ def _solve(eps_of, target: float, start: float, close: bool = False, max_evaluat
     known to lie a few percent below ``start`` (the PLD below the RDP answer).
     ``max_evaluations`` (0: no limit) is for steering searches, whose answer only
     starts another: past it, the smallest feasible sigma seen (or the largest tried).
+    ``tolerance``: the share below the target that is close enough; ``resolution``: the
+    relative width of a bracket on sigma at which the search stops (with its feasible end).
     """
-    floor = target * (1.0 - _CALIBRATION_TOLERANCE)
+    floor = target * (1.0 - tolerance)
     known: dict[float, float] = {}
 
     class _Enough(Exception):
@@ -247,13 +260,14 @@ def _solve(eps_of, target: float, start: float, close: bool = False, max_evaluat
         return known[sigma]
 
     try:
-        return _solve_with(f, target, floor, start, close, slope)
+        return _solve_with(f, target, floor, start, close, slope, resolution)
     except _Enough:  # a steering search out of evaluations: its best feasible point
         feasible = [sigma for sigma, value in known.items() if value <= target]
         return min(feasible) if feasible else max(known)
 
 
-def _solve_with(f, target: float, floor: float, start: float, close: bool, slope: float) -> float:
+def _solve_with(f, target: float, floor: float, start: float, close: bool, slope: float,
+                resolution: float = 1e-12) -> float:
     """:func:`_solve` on the memoised ``f``: a feasible point up from ``start``, steps
     down along a power law to an infeasible one, then :func:`_illinois`."""
     # Bracket: high feasible (eps <= target), low infeasible (eps > target).
@@ -287,10 +301,10 @@ def _solve_with(f, target: float, floor: float, start: float, close: bool, slope
         low = step_down(high, previous)
         if low < 1e-9:
             return high
-    return _illinois(f, target, floor, low, high)
+    return _illinois(f, target, floor, low, high, resolution=resolution)
 
 
-def _illinois(f, target: float, floor: float, low: float, high: float, earlier=()) -> float:
+def _illinois(f, target: float, floor: float, low: float, high: float, earlier=(), resolution: float = 1e-12) -> float:
     """Illinois regula falsi on g(x) = log eps(e^x) - log aim, decreasing in x, from the
     bracket ``low`` (infeasible) .. ``high`` (feasible), aimed at the middle of the
     accepted band so that a hit lands inside it; returns a feasible evaluated sigma.
@@ -338,7 +352,7 @@ def _illinois(f, target: float, floor: float, low: float, high: float, earlier=(
             if side == 1:
                 g_low /= 2.0
             side = 1
-        if x_high - x_low < 1e-12:
+        if x_high - x_low < resolution:
             break
     return ends[1]  # evaluated and feasible (exp(log(sigma)) may differ from sigma in the last bit)
 
