@@ -1628,12 +1628,17 @@ def _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, fir
     ``delta`` as its upper end, so whatever the rounding, the answer is certified.
     """
     n = losses.size
-    masses = tilted * np.exp(np.minimum(log_untilt, 300.0))
-    masses[:first_valid] = 0.0
+    # log_untilt and the losses are linear in k: both exponentials by _exp_linear.
+    size = n - first_valid
+    slope = float(log_untilt[-1] - log_untilt[first_valid]) / max(size - 1, 1)  # -tilt * spacing
+    spacing = float(losses[-1] - losses[first_valid]) / max(size - 1, 1)
+    masses = np.zeros(n)
+    masses[first_valid:] = tilted[first_valid:] * _exp_linear(float(log_untilt[first_valid]), slope, size)
     above = _suffix_sum(masses)
     reference = float(losses[first_valid])
-    with np.errstate(under="ignore"):
-        discounted = _suffix_sum(masses * np.exp(reference - losses))
+    weighted = np.zeros(n)  # m_j e^{r - l_j}
+    weighted[first_valid:] = tilted[first_valid:] * _exp_linear(float(log_untilt[first_valid]), slope - spacing, size)
+    discounted = _suffix_sum(weighted)
     decay = float(log_untilt[0] - log_untilt[1])  # tilt * spacing
 
     def terms(k: int) -> tuple[float, float, float]:
@@ -1660,6 +1665,22 @@ def _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, fir
             low = mid
     allowance, a, weighted = terms(high - 1)
     return _within_bin(constant + allowance + a - delta, weighted, losses, high), not allowance <= delta / 100.0
+
+
+#: Block length of :func:`_exp_linear`.
+_EXP_BLOCK = 1024
+
+
+def _exp_linear(start: float, slope: float, size: int) -> np.ndarray:
+    """``exp(start + slope * k)`` for ``k = 0 .. size - 1`` (``start <= 300``, ``slope <= 0``),
+    as the outer product of two short exponentials, over blocks and within a block: as
+    accurate as one exponential per entry (a few units of round-off relative to the
+    exponent's size) at a small part of its cost."""
+    blocks = -(-size // _EXP_BLOCK)
+    with np.errstate(under="ignore"):
+        outer = (np.exp(start + (slope * _EXP_BLOCK) * np.arange(blocks))[:, None]
+                 * np.exp(slope * np.arange(_EXP_BLOCK)))
+    return outer.ravel()[:size]
 
 
 def _suffix_sum(values: np.ndarray) -> np.ndarray:
