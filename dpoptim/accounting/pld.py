@@ -498,21 +498,26 @@ _TOO_COARSE = object()
 
 
 def _lower_grid(steps, direction, grid: _Grid) -> _Grid:
-    """The window moved down by a margin for the dominated distributions' lower mean.
+    """The window for the dominated distributions of a lower bound, in their indices.
 
-    Merging bins (:func:`_dominated_masses`) loses the loss variance within about a bin,
-    which lowers each step's mean loss by about :math:`h^2/8` at most, so the composed
-    loss sits up to about :math:`T h^2 / 8` lower than the window was placed for. The
-    window is moved down by twice that (at most a quarter of its width), and the top of
-    each step clipped to the new window (its mass above is rounded down to the top).
-    Whatever still falls below is bounded and subtracted (:func:`_below_window`), so the
-    margin only affects how tight the bound is.
+    Their composed loss at index ``k`` is ``k h`` plus the steps' offsets
+    (:func:`_dominated_offset`), so the window moves down by that many bins. Merging
+    bins (:func:`_dominated_masses`) loses the loss variance within about a bin, which
+    lowers each step's mean loss by about :math:`h^2/8` at most: the window moves down by
+    twice that over the ledger too (at most a quarter of its width). Whatever still falls
+    below is bounded and subtracted (:func:`_below_window`), so the placement only
+    affects how tight the bound is; mass above the window wraps to low losses, which
+    only lowers a profile.
     """
     total = sum(count for _, _, count in steps)
-    i_low = grid.i_low - min(math.ceil(total * grid.spacing / 4.0) + 1, grid.n // 4)
-    tops = dict(grid.tops)
-    tops[direction] = tuple(min(top, i_low + grid.n - 1) for top in grid.tops[direction])
-    return dataclasses.replace(grid, i_low=i_low, tops=tops)
+    drift = min(math.ceil(total * grid.spacing / 4.0) + 1, grid.n // 4)
+    shift = math.floor(_total_offset(steps, direction, grid.spacing) / grid.spacing)
+    return dataclasses.replace(grid, i_low=grid.i_low - drift - shift)
+
+
+def _total_offset(steps, direction, spacing: float) -> float:
+    """The sum over the ledger of the steps' grid offsets (:func:`_dominated_offset`)."""
+    return math.fsum(count * _dominated_offset(sigma, q, direction, spacing) for sigma, q, count in steps)
 
 
 #: Long runs: the grid is refined (up to _MAX_REFINE times the points asked for) until
@@ -1004,7 +1009,8 @@ def _grid_distribution(sigma: float, q: float, direction: str, spacing: float, i
     ``(first + k) * spacing`` and ``p_inf`` the mass at ``+inf``.
 
     ``optimistic=True`` builds a *dominated* distribution instead, used only for lower
-    bounds: the same bins, merged onto the grid by :func:`_dominated_masses`.
+    bounds: the same bins, merged by :func:`_dominated_masses` onto the grid shifted by
+    :func:`_dominated_offset` (``masses[k]`` is at ``(first + k) * spacing + offset``).
     """
     # Keep to where the Gaussian components have mass; outside, bins are empty.
     lo, hi = _support(sigma, q, direction, spacing, i_low, i_high)
@@ -1025,7 +1031,8 @@ def _grid_distribution(sigma: float, q: float, direction: str, spacing: float, i
     p = np.exp(log_p)
     if optimistic:
         errors = _bin_errors(sigma, q, direction, edges, log_n0, log_n1, log_p, log_qq)
-        masses = _dominated_masses(p, np.exp(log_qq), errors, lo, spacing)
+        offset = _dominated_offset(sigma, q, direction, spacing)
+        masses = _dominated_masses(p, log_qq, errors, lo, spacing, offset)
         masses.setflags(write=False)
         return lo, masses, 0.0
     masses = np.zeros(hi - lo + 1)
@@ -1047,63 +1054,117 @@ def _grid_distribution(sigma: float, q: float, direction: str, spacing: float, i
     return lo, masses, p_inf
 
 
-def _dominated_masses(p: np.ndarray, q: np.ndarray, errors: np.ndarray, first: int, spacing: float) -> np.ndarray:
-    r"""P-masses on grid points ``first .. first + p.size - 2`` of a pair *dominated* by
-    the step's: a lower bound on every composed privacy profile.
+def _dominated_masses(p: np.ndarray, log_q: np.ndarray, errors: np.ndarray, first: int, spacing: float,
+                      offset: float = 0.0) -> np.ndarray:
+    r"""P-masses at losses ``k * spacing + offset``, ``k = first .. first + p.size - 2``, of
+    a pair *dominated* by the step's: a lower bound on every composed privacy profile.
 
-    ``p`` and ``q`` are the P- and Q-masses of the bins of ``z`` cut at the grid losses
-    (the first below the grid, the last above it), each within a relative ``errors`` of
-    the exact masses; their losses :math:`\log(p_j/q_j)` increase with ``j``. Any
-    randomised post-processing of the output gives a pair whose every hockey-stick
-    divergence is at most the original's (data processing), and composition keeps that.
-    The post-processing used here merges consecutive bins, and a fraction ``f`` of the
+    ``p`` and ``exp(log_q)`` are the P- and Q-masses of the bins of ``z`` cut at the grid
+    losses (the first below the grid, the last above it), each within a relative
+    ``errors`` of the exact masses; their losses :math:`\log(p_j/q_j)` increase with
+    ``j``. Any randomised post-processing of the output gives a pair whose every
+    hockey-stick divergence is at most the original's (data processing), and composition
+    keeps that. The post-processing used here merges consecutive bins, and a fraction ``f`` of the
     next one, into one outcome whose loss :math:`\log\frac{P + f p_j}{Q + f q_j}` is
     the next grid value above the merged ones (``f`` solves a linear equation). Each
-    outcome therefore lies on the grid, and the merged bins lose only the loss variance
-    within about one bin. This is the dominated counterpart of connect-the-dots
-    (Doroshenko et al. 2022), which splits bins to dominate instead; rounding each bin
-    down to its grid point would shift the composed loss by about half a bin per step,
-    useless beyond 10^5 steps.
+    outcome lies on the grid and only the loss variance within about a bin is lost: the
+    dominated counterpart of connect-the-dots (Doroshenko et al. 2022), which splits bins.
+    Rounding each bin down instead shifts the composed loss by half a bin per step.
 
     What is left unmerged at the end is placed at the grid point at or below its merged
     loss, at most the top: rounding a loss down, which lowers every profile (pointwise in
-    the loss). Floating point: an outcome made of bins whose masses err by at most a
-    relative :math:`\kappa` has a loss within :math:`2.5\kappa` of the computed one, so
-    it is aimed that far above its grid point (plus a few round-offs), and its P-mass is
-    scaled down by as much. Bins that err by 10% or more are dropped.
+    the loss). A Q-mass below the smallest float is 0 in the comparisons (its loss is
+    above every finite aim) and kept in logarithms for that placement. Floating point: an
+    outcome made of bins whose masses err by at most a relative :math:`\kappa` has a loss
+    within :math:`2.5\kappa` of the computed one, so it is aimed that far above its grid
+    point (plus a few round-offs), and its P-mass is scaled down by as much. Bins that
+    err by 10% or more are dropped.
     """
     size = p.size - 1
-    out = [0.0] * size
+    out = [0.0] * max(size, 0)
     margins = 2.5 * np.asarray(errors) + 8.0 * _U
-    usable = (q > 0.0) & (margins < 0.25)  # dropping a bin only lowers a profile
-    # e^(grid value), rounded up, per grid point; inf where that overflows: no outcome aims there.
-    exponents = (first + np.arange(size)) * spacing
-    with np.errstate(over="ignore"):
-        aims = np.where(exponents < 709.0, np.exp(np.minimum(exponents, 709.0)) * (1.0 + 4.0 * _U * (2.0 + np.abs(exponents))),
-                        np.inf).tolist()
+    usable = margins < 0.25 if size > 0 else np.zeros(p.size, bool)  # dropping a bin only lowers a profile
+    p, log_q, margins = p[usable], log_q[usable], margins[usable]
+    aims = _grid_aims((first + np.arange(size)) * spacing + offset) + [math.inf]
     k, target = 0, aims[0]  # the next grid point, e^(its loss)
     held_p = held_q = held_margin = 0.0  # merged mass not yet placed, and its margin
-    for p_j, q_j, margin_j in zip(p[usable].tolist(), q[usable].tolist(), margins[usable].tolist()):
-        margin = max(held_margin, margin_j)
+    held_from, held_share = -1, 1.0  # the held bins: this share of bin held_from, then all after it
+    for j, (p_j, q_j, margin_j) in enumerate(zip(p.tolist(), np.exp(log_q).tolist(), margins.tolist())):
+        margin, share = max(held_margin, margin_j), 1.0
+        # A Q-mass below the smallest float is 0 here: its loss is above every finite aim.
         while k < size and p_j > target * (1.0 + 2.0 * margin) * q_j:  # loss above the grid value + margin
             aim = target * (1.0 + 2.0 * margin)  # at least e^(grid value + margin)
             f = max((aim * held_q - held_p) / (p_j - aim * q_j), 0.0)
             if f > 1.0:
                 break  # even all of it leaves the merged loss below that value
             out[k] += (held_p + f * p_j) * (1.0 - margin)
-            p_j, q_j = p_j * (1.0 - f), q_j * (1.0 - f)
+            p_j, q_j, share = p_j * (1.0 - f), q_j * (1.0 - f), share * (1.0 - f)
             held_p = held_q = held_margin = 0.0
-            margin = margin_j
+            held_from, margin = -1, margin_j
             k += 1
-            target = aims[k] if k < size else math.inf
+            target = aims[k]
+        if held_from < 0:
+            held_from, held_share = j, share
         held_p += p_j
         held_q += q_j
         held_margin = max(held_margin, margin_j)
-    if held_p > 0.0:  # the rest, at the grid point at or below its merged loss
-        at = math.floor((math.log(held_p) - math.log(held_q) - held_margin) / spacing) - first
-        if at >= 0:
-            out[min(at, size - 1)] += held_p * (1.0 - held_margin)
+    if held_p > 0.0:  # the rest: its Q-mass in logarithms, as some of it may be below the smallest float
+        with np.errstate(divide="ignore"):
+            held_log_q = np.logaddexp(math.log(held_share) + log_q[held_from], np.logaddexp.reduce(log_q[held_from + 1:]))
+        _place_rest(out, held_p, float(held_log_q), held_margin, first * spacing + offset, spacing)
     return np.asarray(out)
+
+
+def _place_rest(out: list, held_p: float, held_log_q: float, margin: float, bottom: float, spacing: float) -> None:
+    """Add what :func:`_dominated_masses` left unmerged to the grid point at or below its
+    merged loss (at most the top; dropped below the bottom), its mass scaled down by the
+    margin of its bins (and the loss by a few round-offs of the logarithms)."""
+    log_p = math.log(held_p)
+    loss = log_p - held_log_q - margin - 8.0 * _U * (1.0 + abs(log_p) + abs(held_log_q) + abs(bottom))
+    at = len(out) - 1 if loss == math.inf else math.floor((loss - bottom) / spacing)
+    if at >= 0:
+        out[min(at, len(out) - 1)] += held_p * (1.0 - margin)
+
+
+def _grid_aims(exponents: np.ndarray) -> list:
+    """``e^x`` rounded up for each grid value ``x`` (inf where it overflows: no outcome of
+    :func:`_dominated_masses` aims there)."""
+    with np.errstate(over="ignore"):
+        rounded_up = np.exp(np.minimum(exponents, 709.0)) * (1.0 + 4.0 * _U * (2.0 + np.abs(exponents)))
+    return np.where(exponents < 709.0, rounded_up, np.inf).tolist()
+
+
+@functools.lru_cache(maxsize=1024)
+def _dominated_offset(sigma: float, q: float, direction: str, spacing: float) -> float:
+    r"""Where the grid of a step's dominated distribution sits: shifted by this much (in
+    ``[0, spacing)``) so that a grid point falls just below the merged loss of the bins up
+    to the heaviest one.
+
+    Merging can only place a block of bins at a grid point at or below its merged loss,
+    and lifting a block to the next grid point takes the excess loss of the bins above
+    it. When sigma or q is small the bulk of a step's mass lies within one bin, far
+    more than the bins above could lift, so on the plain grid it would drop by up to a
+    bin per step (at 10^5 steps, by more than epsilon itself). With a grid point at the
+    bulk's own merged loss it is placed where it is. Any offset gives a valid lower
+    bound; the composed loss is labelled with the sum of the steps' offsets
+    (:func:`_compose_direction`).
+    """
+    lo, hi = _support(sigma, q, direction, spacing, -(2**62), 2**62)
+    z = sigma * sigma * _log_r(np.arange(lo, hi + 1) * spacing, q, direction) + 0.5
+    edges = np.concatenate([[-np.inf], z, [np.inf]])
+    log_n0, log_n1 = _log_gauss_bins(edges / sigma), _log_gauss_bins((edges - 1.0) / sigma)
+    log_q, log_1mq = math.log(q), (math.log1p(-q) if q < 1 else -math.inf)
+    with np.errstate(divide="ignore"):
+        if direction == _REMOVE:
+            log_p, log_qq = np.logaddexp(log_1mq + log_n0, log_q + log_n1), log_n0
+        else:
+            log_p, log_qq = log_n1, np.logaddexp(log_q + log_n0, log_1mq + log_n1)
+    heaviest = int(np.argmax(log_p))
+    if log_p[heaviest] < math.log(0.5):
+        return 0.0  # the bulk spans bins: the plain grid does as well (measured: a little better)
+    merged = float(np.logaddexp.reduce(log_p[: heaviest + 1]) - np.logaddexp.reduce(log_qq[: heaviest + 1]))
+    aim = merged + 1e-6 * spacing  # just above: the next bin lifts the bulk to it
+    return float(aim - spacing * math.floor(aim / spacing))
 
 
 def _bin_errors(sigma, q, direction, edges, log_n0, log_n1, log_p, log_qq) -> np.ndarray:
@@ -1154,7 +1215,9 @@ def _tilted_step(sigma, q, direction, spacing, i_low, i_high, tilt, optimistic=F
     losses = (first + np.arange(masses.size)) * spacing
     with np.errstate(divide="ignore"):
         log_tilted = np.log(masses) + tilt * losses
-    peak = log_tilted.max()
+    peak = log_tilted.max() if log_tilted.size else -math.inf
+    if peak == -math.inf:  # no finite mass (a dominated step whose every bin was dropped)
+        return first, np.zeros(masses.size), p_inf, -math.inf
     tilted = np.exp(log_tilted - peak)
     total = tilted.sum()
     return first, tilted / total, p_inf, peak + math.log(total)
@@ -1365,7 +1428,10 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
                                 np.abs(parts.spectrum).astype(np.float64), unit, parts.dead_log_weight)
     if lower:
         below = _below_window(steps, direction, grid)
-        return _invert_profile(tilted, log_untilt, losses, -below, noise, delta, lower=True)
+        # Composed index k is at loss k h plus the steps' offsets, rounded down.
+        offset = _total_offset(steps, direction, spacing)
+        labels = losses + offset - 4.0 * _U * (np.abs(losses) + offset)
+        return _invert_profile(tilted, log_untilt, labels, -below, noise, delta, lower=True)
     constant = -math.expm1(parts.log_finite) + grid.tail
     return _invert_profile(tilted, log_untilt, losses, constant, noise, delta)
 
@@ -1524,8 +1590,8 @@ def _invert_profile(tilted, log_untilt, losses, constant, noise, delta, lower: b
     # there would exceed 1). They are left out of the sums, and every grid point at or
     # below them is marked uncertifiable, so leaving them out never lowers a delta.
     valid = log_untilt <= 300.0
-    if not valid.any():
-        return math.inf, True
+    if not valid.any():  # no certificate: no upper bound, and 0 as a lower one
+        return (0.0, False) if lower else (math.inf, True)
     first_valid = int(np.argmax(valid))  # log_untilt is non-increasing in k
     if not lower and losses[-1] - losses[first_valid] < 600.0:
         return _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, first_valid)
