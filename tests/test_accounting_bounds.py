@@ -165,7 +165,7 @@ def test_the_pld_is_bracketed_within_one_percent_on_draws(sigma, q, steps, delta
 
 
 @pytest.mark.parametrize("sigma, q, steps, delta, rel, grid_points", [
-    (0.25, 0.00196, 421_042, 2.6e-5, 1e-3, None),
+    (0.25, 0.00196, 421_042, 2.6e-5, 1e-2, None),
     (0.3, 1e-3, 10**5, 1e-10, 2e-3, None),
     (0.02, 0.01, 1000, 1e-5, None, 2**16),
 ])
@@ -229,6 +229,16 @@ def test_grouping_is_pessimistic_pair_by_pair_and_keeps_every_step():
     for sigma, q, _ in runs:
         assert any(gs <= sigma and gq >= q for gs, gq, _ in groups)
         assert any(os_ >= sigma and oq <= q for os_, oq, _ in optimistic)
+
+
+def test_the_optimistic_grouping_keeps_every_pair_it_has_room_for():
+    # A merge that costs little pessimistically (4 steps at the group's smallest sigma)
+    # costs everything optimistically (79,332 steps at its largest sigma, smallest q): a
+    # lower bound of 0.86 against 240.7 before.
+    runs = [(0.559, 0.0174, 79_328), (0.755, 0.000493, 4)]
+    assert len(coarsen_runs(runs, 64)) == 1
+    assert sorted(coarsen_runs(runs, 64, optimistic=True)) == sorted(runs)
+    assert_bracketed(epsilon_of_ledger(runs, 4.1e-4), pld_epsilon_lower_bound(runs, 4.1e-4), rel=0.01)
 
 
 def test_a_negligible_step_does_not_move_a_full_ledger(monkeypatch):

@@ -238,8 +238,14 @@ def _coarsen(runs: tuple, max_distinct: int, optimistic: bool) -> tuple:
     if len(items) <= 1:
         return tuple(out + [(sigma, q, count) for (sigma, q), count in items])
     # The partition depends on the pairs and the rounded counts only: a ledger grown by a
-    # step usually finds it cached.
-    sizes = _partition(tuple((key, _rounded_count(count)) for key, count in items), max(1, max_distinct - len(out)))
+    # step usually finds it cached. The merges it takes for free are cheap pessimistically
+    # (a few steps at a group's smallest sigma), not optimistically: a lower bound keeps
+    # every pair it has room for.
+    limit = max(1, max_distinct - len(out))
+    if optimistic and len(items) <= limit:
+        sizes = (1,) * len(items)
+    else:
+        sizes = _partition(tuple((key, _rounded_count(count)) for key, count in items), limit)
     groups, start = [], 0
     for size in sizes:
         groups.append(items[start:start + size])
