@@ -225,12 +225,9 @@ def main(argv=None) -> int:
         lower = gap = ""
         if args.bracket:
             bound = _lower_bound(fresh, delta)
-            if bound is None:
-                lower = "none within reach"
-            else:
-                lower = _show(bound)
-                gap = (f"{value / bound - 1:+.3%}" if bound > 0 and math.isfinite(value)
-                       else ("exact" if value == bound else ""))
+            lower = _show(bound)
+            gap = (f"{value / bound - 1:+.3%}" if bound > 0 and math.isfinite(value)
+                   else ("exact" if value == bound else ""))
         print(f"| {label} | {_show(value)} | {wall:.2f} | {cpu:.2f} | {goal} | {lower} | {gap} |", flush=True)
         if args.peers:
             for name, (peer, seconds) in _peers(ledger, delta).items():

@@ -1020,19 +1020,7 @@ def _grid_distribution(sigma: float, q: float, direction: str, spacing: float, i
     # Keep to where the Gaussian components have mass; outside, bins are empty.
     lo, hi = _support(sigma, q, direction, spacing, i_low, i_high)
     losses = np.arange(lo, hi + 1) * spacing
-    z = sigma * sigma * _log_r(losses, q, direction) + 0.5
-    edges = np.concatenate([[-np.inf], z, [np.inf]])
-    # bins: (-inf, l_lo], (l_lo, l_lo+1], ..., (l_hi, inf)
-    log_n0 = _log_gauss_bins(edges / sigma)  # N(0, s^2)
-    log_n1 = _log_gauss_bins((edges - 1.0) / sigma)  # N(1, s^2)
-    with np.errstate(divide="ignore"):
-        log_q, log_1mq = math.log(q), math.log1p(-q) if q < 1 else -math.inf
-    if direction == _REMOVE:
-        log_p = np.logaddexp(log_1mq + log_n0, log_q + log_n1)
-        log_qq = log_n0
-    else:
-        log_p = log_n1
-        log_qq = np.logaddexp(log_q + log_n0, log_1mq + log_n1)
+    edges, log_n0, log_n1, log_p, log_qq = _bin_log_masses(sigma, q, direction, losses)
     p = np.exp(log_p)
     if optimistic:
         errors = _bin_errors(sigma, q, direction, edges, log_n0, log_n1, log_p, log_qq)
@@ -1059,6 +1047,21 @@ def _grid_distribution(sigma: float, q: float, direction: str, spacing: float, i
     return lo, masses, p_inf
 
 
+def _bin_log_masses(sigma: float, q: float, direction: str, losses: np.ndarray) -> tuple:
+    """``(edges, log_n0, log_n1, log_p, log_qq)`` of one step's bins of ``z`` cut where its
+    loss crosses ``losses``: (-inf, l_0], (l_0, l_1], ..., (l_last, inf). ``edges`` in
+    ``z``; the logs of the bins' masses under N(0, s^2), N(1, s^2), P and Q."""
+    z = sigma * sigma * _log_r(losses, q, direction) + 0.5
+    edges = np.concatenate([[-np.inf], z, [np.inf]])
+    log_n0 = _log_gauss_bins(edges / sigma)  # N(0, s^2)
+    log_n1 = _log_gauss_bins((edges - 1.0) / sigma)  # N(1, s^2)
+    with np.errstate(divide="ignore"):
+        log_q, log_1mq = math.log(q), math.log1p(-q) if q < 1 else -math.inf
+    if direction == _REMOVE:
+        return edges, log_n0, log_n1, np.logaddexp(log_1mq + log_n0, log_q + log_n1), log_n0
+    return edges, log_n0, log_n1, log_n1, np.logaddexp(log_q + log_n0, log_1mq + log_n1)
+
+
 def _dominated_masses(p: np.ndarray, log_q: np.ndarray, errors: np.ndarray, first: int, spacing: float,
                       offset: float = 0.0) -> np.ndarray:
     r"""P-masses at losses ``k * spacing + offset``, ``k = first .. first + p.size - 2``, of
@@ -1069,9 +1072,9 @@ def _dominated_masses(p: np.ndarray, log_q: np.ndarray, errors: np.ndarray, firs
     ``errors`` of the exact masses; their losses :math:`\log(p_j/q_j)` increase with
     ``j``. Any randomised post-processing of the output gives a pair whose every
     hockey-stick divergence is at most the original's (data processing), and composition
-    keeps that. The post-processing used here merges consecutive bins, and a fraction ``f`` of the
-    next one, into one outcome whose loss :math:`\log\frac{P + f p_j}{Q + f q_j}` is
-    the next grid value above the merged ones (``f`` solves a linear equation). Each
+    keeps that. The post-processing used here merges consecutive bins, and a fraction
+    ``f`` of the next one, into one outcome whose loss :math:`\log\frac{P + f p_j}{Q + f
+    q_j}` is the next grid value above the merged ones (``f`` solves a linear equation). Each
     outcome lies on the grid and only the loss variance within about a bin is lost: the
     dominated counterpart of connect-the-dots (Doroshenko et al. 2022), which splits bins.
     Rounding each bin down instead shifts the composed loss by half a bin per step.
@@ -1148,8 +1151,8 @@ def _grid_aims(exponents: np.ndarray) -> list:
 @functools.lru_cache(maxsize=1024)
 def _dominated_offset(sigma: float, q: float, direction: str, spacing: float) -> float:
     r"""Where the grid of a step's dominated distribution sits: shifted by this much (in
-    ``[0, spacing)``) so that a grid point falls just below the merged loss of the bins up
-    to the heaviest one.
+    ``[0, spacing)``) so that a grid point falls just above the merged loss of the bins up
+    to the heaviest one, where that one holds most of the mass (else 0).
 
     Merging can only place a block of bins at a grid point at or below its merged loss,
     and lifting a block to the next grid point takes the excess loss of the bins above
@@ -1161,15 +1164,7 @@ def _dominated_offset(sigma: float, q: float, direction: str, spacing: float) ->
     (:func:`_compose_direction`).
     """
     lo, hi = _support(sigma, q, direction, spacing, -(2**62), 2**62)
-    z = sigma * sigma * _log_r(np.arange(lo, hi + 1) * spacing, q, direction) + 0.5
-    edges = np.concatenate([[-np.inf], z, [np.inf]])
-    log_n0, log_n1 = _log_gauss_bins(edges / sigma), _log_gauss_bins((edges - 1.0) / sigma)
-    log_q, log_1mq = math.log(q), (math.log1p(-q) if q < 1 else -math.inf)
-    with np.errstate(divide="ignore"):
-        if direction == _REMOVE:
-            log_p, log_qq = np.logaddexp(log_1mq + log_n0, log_q + log_n1), log_n0
-        else:
-            log_p, log_qq = log_n1, np.logaddexp(log_q + log_n0, log_1mq + log_n1)
+    _, _, _, log_p, log_qq = _bin_log_masses(sigma, q, direction, np.arange(lo, hi + 1) * spacing)
     heaviest = int(np.argmax(log_p))
     if log_p[heaviest] < math.log(0.5):
         return 0.0  # the bulk spans bins: the plain grid does as well (measured: a little better)
