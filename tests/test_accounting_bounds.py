@@ -210,7 +210,8 @@ def test_merged_bins_never_exceed_the_bins_profile(data, size, first, spacing, e
                                shift * spacing)
     grid = (first + shift + np.arange(size)) * spacing
     assert masses.shape == (size,) and np.all(masses >= 0.0) and masses.sum() <= 1.0
-    points = np.concatenate([grid, grid + spacing / 2, bin_losses, [-1e3, 1e3]])
+    # Just below each grid point too: an outcome placed above its true loss shows there.
+    points = np.concatenate([grid, grid - 1e-9, grid - error, grid + spacing / 2, bin_losses, [-1e3, 1e3]])
     for eps in points:
         assert _profile(masses, grid, eps) <= _profile(p, bin_losses, eps) + 1e-14
 
