@@ -242,6 +242,15 @@ def test_the_optimistic_grouping_keeps_every_pair_it_has_room_for():
     assert_bracketed(epsilon_of_ledger(runs, 4.1e-4), pld_epsilon_lower_bound(runs, 4.1e-4), rel=0.01)
 
 
+def test_a_few_steps_at_small_sigma_do_not_make_other_merges_look_free():
+    # The chi-square proxy of 530 steps at sigma 0.2 outweighed 3569 at sigma 1.66 by 10^4,
+    # so merging those with 263 steps at sigma 1.34 (+28% to epsilon) counted as free.
+    runs = [(1.664, 0.1775, 3569), (0.2039, 0.000292, 530), (1.3399, 0.02308, 263), (0.2683, 0.0001424, 17292)]
+    delta = 3.7e-9
+    assert len(coarsen_runs(runs)) == 4
+    assert_bracketed(epsilon_of_ledger(runs, delta), pld_epsilon_lower_bound(runs, delta, max_groups=4), rel=2e-3)
+
+
 def test_a_negligible_step_does_not_move_a_full_ledger(monkeypatch):
     # Before: one step at sigma = 100 on a ledger at the limit re-coarsened everything (+2%).
     monkeypatch.setattr(ledger_module, "MAX_DISTINCT_RUNS", 8)
