@@ -139,7 +139,7 @@ def calibrate_noise(target_epsilon, delta, sample_rate, steps, accountant: str =
         )
     coarse = _solve(lambda sigma: pld_epsilon([(sigma, q, steps)], delta, _COARSE_GRID), target, start,
                     max_evaluations=_STEERING_EVALUATIONS, tolerance=_STEERING_TOLERANCE,
-                        resolution=_STEERING_RESOLUTION)
+                    resolution=_STEERING_RESOLUTION)
     return _finish(lambda sigma: eps(sigma, "pld"), target, coarse, q, steps, delta)
 
 
@@ -304,7 +304,8 @@ def _solve_with(f, target: float, floor: float, start: float, close: bool, slope
     return _illinois(f, target, floor, low, high, resolution=resolution)
 
 
-def _illinois(f, target: float, floor: float, low: float, high: float, earlier=(), resolution: float = 1e-12) -> float:
+def _illinois(f, target: float, floor: float, low: float, high: float, earlier=(),
+              resolution: float = 1e-12) -> float:
     """Illinois regula falsi on g(x) = log eps(e^x) - log aim, decreasing in x, from the
     bracket ``low`` (infeasible) .. ``high`` (feasible), aimed at the middle of the
     accepted band so that a hit lands inside it; returns a feasible evaluated sigma.

@@ -88,8 +88,10 @@ grid is chosen per ledger, from 2^14 to 2^20 points, until the spread is at most
 (:func:`_shift_fine`), which keeps 10^8 steps within about 0.5%; an explicit
 ``grid_points`` is refined up to 4 times by the spread alone. No
 a-priori bound that tight is claimed: the tests and ``benchmarks/bench_accounting.py``
-bracket the answer with :func:`pld_epsilon_lower_bound`, the same composition with every
-loss rounded *down* (Koskela, Jälkö & Honkela 2020), which is a rigorous lower bound.
+bracket the answer with :func:`pld_epsilon_lower_bound`, a rigorous lower bound: the same
+composition of a pair that each step's true one *dominates*, its bins merged onto the
+grid by a post-processing (:func:`_dominated_masses`); rounding every loss down instead
+(Koskela, Jälkö & Honkela 2020) loses half a bin per step.
 
 The reported epsilon is the smallest of this PLD value, the RDP bound and the
 Gaussian-mixture bound of :mod:`.gaussian` (tight for tiny sigma), all sound. Ledgers with
