@@ -31,6 +31,7 @@ from dpoptim.accounting import (
 from dpoptim.accounting import calibrate as calibrate_module
 from dpoptim.accounting import ledger as ledger_module
 from dpoptim.accounting.ledger import coarsen_runs
+from dpoptim.accounting.pld import pld_epsilon_lower_bound
 
 DELTA = 1e-5
 
@@ -238,6 +239,9 @@ def test_pld_two_different_steps_against_quadrature(first, second):
     exact = epsilon_from_profile(lambda d, e: two_step_profile(first, second, d, e), DELTA)
     ours = epsilon_of_ledger([(*first, 1), (*second, 1)], DELTA)
     assert_tight_upper_bound(ours, exact)
+    # The rigorous lower bound (a dominated pair composed) is below the exact value too.
+    lower = pld_epsilon_lower_bound([(*first, 1), (*second, 1)], DELTA, grid_points=2**16)
+    assert exact * (1 - 1e-2) <= lower <= exact * (1 + 1e-9), (lower, exact)
 
 
 def test_pld_reference_values():
