@@ -251,6 +251,22 @@ def test_a_few_steps_at_small_sigma_do_not_make_other_merges_look_free():
     assert_bracketed(epsilon_of_ledger(runs, delta), pld_epsilon_lower_bound(runs, delta, max_groups=4), rel=2e-3)
 
 
+def test_merging_steps_of_tiny_sigma_is_not_free():
+    # The proxy's exponent was capped at 1/sigma^2 = 200: every sigma below 0.0707 cost
+    # the same, so these three levels merged into sigma 0.05 for free (949 against 745).
+    runs = [(0.05, 0.001, 100), (0.06, 0.001, 100), (0.07, 0.001, 100), (0.5, 0.001, 1000)]
+    assert len(coarsen_runs(runs)) == 4
+    assert_bracketed(epsilon_of_ledger(runs, DELTA), pld_epsilon_lower_bound(runs, DELTA, max_groups=4), rel=1e-3)
+
+
+def test_the_grouping_proxy_grows_as_sigma_shrinks():
+    sigmas = np.geomspace(1e-200, 100.0, 2000)
+    for q in (1e-9, 1e-3, 0.5, 1.0):
+        costs = ledger_module._step_costs(sigmas, np.full(sigmas.shape, q))
+        assert np.all(np.isfinite(costs)) and np.all(np.diff(costs[sigmas > 1e-125]) < 0)
+        assert [ledger_module._step_cost(s, q) for s in sigmas[::100]] == costs[::100].tolist()
+
+
 def test_a_negligible_step_does_not_move_a_full_ledger(monkeypatch):
     # Before: one step at sigma = 100 on a ledger at the limit re-coarsened everything (+2%).
     monkeypatch.setattr(ledger_module, "MAX_DISTINCT_RUNS", 8)
