@@ -1083,45 +1083,59 @@ def _dominated_masses(p: np.ndarray, log_q: np.ndarray, errors: np.ndarray, firs
 
     What is left unmerged at the end is placed at the grid point at or below its merged
     loss, at most the top: rounding a loss down, which lowers every profile (pointwise in
-    the loss). A Q-mass below the smallest float is 0 in the comparisons (its loss is
-    above every finite aim) and kept in logarithms for that placement. Floating point: an
-    outcome made of bins whose masses err by at most a relative :math:`\kappa` has a loss
-    within :math:`2.5\kappa` of the computed one, so it is aimed that far above its grid
-    point (plus a few round-offs), and its P-mass is scaled down by as much. Bins that
-    err by 10% or more are dropped.
+    the loss). Q-masses are compared *aimed*, :math:`e^{x} q_j` for the grid value ``x``
+    aimed at, from logarithms (:func:`_aimed`): near ``x`` that is near the P-mass,
+    however large the loss (beyond 709 at small sigma, where Q-masses underflow); bins of
+    P-mass below 1e-300 are dropped. Floating point: an outcome made of bins whose masses
+    err by at most a relative :math:`\kappa` has a loss within :math:`2.5\kappa` of the
+    computed one, so it is aimed that far above its grid point (plus a few round-offs)
+    and its P-mass scaled down by as much; held sums are rounded against the answer (P
+    down, Q up). Bins that err by 10% or more are dropped.
     """
     size = p.size - 1
     out = [0.0] * max(size, 0)
     margins = 2.5 * np.asarray(errors) + 8.0 * _U
-    usable = margins < 0.25 if size > 0 else np.zeros(p.size, bool)  # dropping a bin only lowers a profile
-    p, log_q, margins = p[usable], log_q[usable], margins[usable]
+    usable = (margins < 0.25) & (p >= _SMALLEST_MERGED) if size > 0 else np.zeros(p.size, bool)
+    p, log_q, margins = p[usable], log_q[usable], margins[usable]  # dropping a bin only lowers a profile
     bottom = first * spacing + offset
-    aims = _grid_aims((first + np.arange(size)) * spacing + offset) + [math.inf]
-    k, target = 0, aims[0]  # the next grid point, e^(its loss)
-    held_p = held_q = held_margin = 0.0  # merged mass not yet placed, and its margin
+    exponents = ((first + np.arange(size)) * spacing + offset).tolist()
+    k = 0  # the grid point aimed at next
+    held_p = held_a = held_margin = 0.0  # merged P-mass not yet placed, its aimed Q-mass, its margin
     held_from, held_share = -1, 1.0  # the held bins: this share of bin held_from, then all after it
-    for j, (p_j, q_j, margin_j) in enumerate(zip(p.tolist(), np.exp(log_q).tolist(), margins.tolist())):
+    for j, (p_j, log_q_j, margin_j) in enumerate(zip(p.tolist(), log_q.tolist(), margins.tolist())):
         margin, share = max(held_margin, margin_j), 1.0
-        # A Q-mass below the smallest float is 0 here: its loss is above every finite aim.
-        while k < size and p_j > target * (1.0 + 2.0 * margin) * q_j:  # loss above the grid value + margin
-            aim = target * (1.0 + 2.0 * margin)  # at least e^(grid value + margin)
-            f = max((aim * held_q - held_p) / (p_j - aim * q_j), 0.0)
+        a_j = _aimed(exponents[k], log_q_j) if k < size else math.inf
+        while k < size and p_j > (1.0 + 2.0 * margin) * a_j:  # loss above the grid value + margin
+            aimed = 1.0 + 2.0 * margin
+            f = max((aimed * held_a - held_p) / (p_j - aimed * a_j), 0.0)
             if f > 1.0:
                 break  # even all of it leaves the merged loss below that value
             out[k] += (held_p + f * p_j) * (1.0 - margin)
-            p_j, q_j, share = p_j * (1.0 - f), q_j * (1.0 - f), share * (1.0 - f)
-            held_p = held_q = held_margin = 0.0
+            p_j, share = p_j * (1.0 - f), share * (1.0 - f)
+            held_p = held_a = held_margin = 0.0
             held_from, margin = -1, margin_j
             k += 1
-            target = aims[k]
+            a_j = share * _aimed(exponents[k], log_q_j) * (1.0 + 2.0 * _U) if k < size else math.inf
         if held_from < 0:
             held_from, held_share = j, share
-        held_p += p_j
-        held_q += q_j
+        held_p = (held_p + p_j) * (1.0 - 2.0 * _U)  # rounded down
+        held_a = (held_a + a_j) * (1.0 + 2.0 * _U)  # rounded up
         held_margin = max(held_margin, margin_j)
     if held_p > 0.0:  # the rest
         _place_rest(out, held_p, _held_log_q(log_q, held_from, held_share, log_q.size), held_margin, bottom, spacing)
     return np.asarray(out)
+
+
+#: Bins of smaller P-mass are left out of the dominated distributions (see
+#: :func:`_dominated_masses`): no aimed quantity is then subnormal.
+_SMALLEST_MERGED = 1e-300
+
+
+def _aimed(x: float, log_q: float) -> float:
+    r""":math:`e^{x + \log q}` rounded up (the grid value ``x`` and the sum each err by a
+    round-off of their size), and at least :math:`e^{-700}`: never subnormal.
+    ``OverflowError`` beyond the float range (the lower bound is then 0)."""
+    return math.exp(max(x + log_q, -700.0)) * (1.0 + 4.0 * _U * (2.0 + abs(x) + abs(log_q)))
 
 
 def _held_log_q(log_q: np.ndarray, start: int, share: float, end: int) -> float:
@@ -1140,14 +1154,6 @@ def _place_rest(out: list, held_p: float, held_log_q: float, margin: float, bott
     at = len(out) - 1 if loss == math.inf else math.floor((loss - bottom) / spacing)
     if at >= 0:
         out[min(at, len(out) - 1)] += held_p * (1.0 - margin)
-
-
-def _grid_aims(exponents: np.ndarray) -> list:
-    """``e^x`` rounded up for each grid value ``x`` (inf where it overflows: no outcome of
-    :func:`_dominated_masses` aims there)."""
-    with np.errstate(over="ignore"):
-        rounded_up = np.exp(np.minimum(exponents, 709.0)) * (1.0 + 4.0 * _U * (2.0 + np.abs(exponents)))
-    return np.where(exponents < 709.0, rounded_up, np.inf).tolist()
 
 
 @functools.lru_cache(maxsize=1024)
