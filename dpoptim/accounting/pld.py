@@ -1106,8 +1106,8 @@ def _dominated_masses(p: np.ndarray, log_q: np.ndarray, errors: np.ndarray, firs
         margin, share = max(held_margin, margin_j), 1.0
         a_j = _aimed(exponents[k], log_q_j) if k < size else math.inf
         while k < size and p_j > (1.0 + 2.0 * margin) * a_j:  # loss above the grid value + margin
-            aimed = 1.0 + 2.0 * margin
-            f = max((aimed * held_a - held_p) / (p_j - aimed * a_j), 0.0)
+            lift = 1.0 + 2.0 * margin
+            f = max((lift * held_a - held_p) / (p_j - lift * a_j), 0.0)
             if f > 1.0:
                 break  # even all of it leaves the merged loss below that value
             out[k] += (held_p + f * p_j) * (1.0 - margin)
