@@ -28,6 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import validate
+from .special import log_expm1
 
 __all__ = [
     "Run",
@@ -278,8 +279,7 @@ def _step_costs(sigma: np.ndarray, q: np.ndarray) -> np.ndarray:
     epsilon by 28% looked free next to them. A cap on the exponent has the opposite
     fault: every sigma below the cap costs the same, so merging them looks free."""
     with np.errstate(divide="ignore", over="ignore"):
-        x = np.minimum(1.0 / (sigma * sigma), _LARGEST_EXPONENT)
-        log_chi_square = 2.0 * np.log(q) + x + np.log(-np.expm1(-x))
+        log_chi_square = 2.0 * np.log(q) + log_expm1(np.minimum(1.0 / (sigma * sigma), _LARGEST_EXPONENT))
     return np.logaddexp(0.0, log_chi_square)
 
 

@@ -57,7 +57,7 @@ import functools
 import math
 
 import numpy as np
-from .special import gammaln, gammasgn, log_ndtr
+from .special import gammaln, gammasgn, log_expm1, log_ndtr
 
 from .ledger import (
     Accountant,
@@ -171,12 +171,6 @@ def _rdp(sigma: float, q: float, orders: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(rdp), math.inf, rdp)
 
 
-def _log_expm1(x: np.ndarray) -> np.ndarray:
-    """log(exp(x) - 1) for x >= 0, without overflow for large x or cancellation for small x."""
-    with np.errstate(divide="ignore"):
-        return x + np.log(-np.expm1(-x))
-
-
 def _finite_abs(x: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(x), np.abs(x), 0.0)
 
@@ -199,10 +193,10 @@ def _log_a_minus_1_integer(alphas: tuple, sigma: float, q: float) -> np.ndarray:
     alpha, k_flat, log_binom, starts, lengths = _integer_layout(alphas)
     log_q, log_1mq = math.log(q), math.log1p(-q)
     k = np.arange(int(alpha.max()) + 1, dtype=float)
-    log_expm1 = _log_expm1(k * (k - 1.0) / (2.0 * sigma * sigma))
+    log_excess = log_expm1(k * (k - 1.0) / (2.0 * sigma * sigma))
     # log of binom(alpha, k) q^k (1-q)^(alpha-k) expm1(k(k-1)/(2 sigma^2)), with the
     # alpha log(1-q) part added per order after the sum.
-    per_k = k * (log_q - log_1mq) + log_expm1
+    per_k = k * (log_q - log_1mq) + log_excess
     log_terms = log_binom + per_k[k_flat]
     peak = np.maximum.reduceat(log_terms, starts)
     finite_peak = np.where(np.isfinite(peak), peak, 0.0)
@@ -211,7 +205,7 @@ def _log_a_minus_1_integer(alphas: tuple, sigma: float, q: float) -> np.ndarray:
     # Rounding allowance: every log term adds five rounded quantities, each at most as
     # large as the bounds below; the sum of n positive terms adds (n + 2) eps relative.
     magnitude = alpha * (math.log(2.0) + abs(log_q) + 2.0 * abs(log_1mq)) + np.maximum(
-        abs(log_expm1[2]), _finite_abs(log_expm1[alpha.astype(np.int64)])
+        abs(log_excess[2]), _finite_abs(log_excess[alpha.astype(np.int64)])
     )
     allowance = 8.0 * _EPS * magnitude + 4.0 * (alpha + 2.0) * _EPS
     with np.errstate(divide="ignore"):

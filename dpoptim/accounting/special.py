@@ -3,10 +3,18 @@
 scipy takes over a second to import. An optimizer given a noise multiplier needs no
 accounting until the first ``privacy_spent()``, so ``import dpoptim`` and building an
 optimizer must not pay for it: the accounting modules call these thin wrappers, which
-import scipy the first time one of them runs.
+import scipy the first time one of them runs. ``log_expm1`` needs numpy only.
 """
 
 from __future__ import annotations
+
+import numpy as np
+
+
+def log_expm1(x):
+    """log(exp(x) - 1) for x >= 0, without overflow for large x or cancellation for small x."""
+    with np.errstate(divide="ignore"):
+        return x + np.log(-np.expm1(-x))
 
 
 def log_ndtr(x):
