@@ -212,6 +212,9 @@ def coarsen_runs(runs, max_distinct: int | None = None, *, optimistic: bool = Fa
     ``optimistic=True`` returns the same groups with the largest sigma and the smallest q
     instead: a ledger that the original dominates, for lower bounds in tests and
     benchmarks (never for reporting).
+
+    The PLD accountant may account a group as mixtures of its four corners instead
+    (:mod:`.mixture`), where that costs less by the same proxy.
     """
     max_distinct = MAX_DISTINCT_RUNS if max_distinct is None else max_distinct
     if isinstance(runs, Ledger):
@@ -225,41 +228,50 @@ def coarsen_runs(runs, max_distinct: int | None = None, *, optimistic: bool = Fa
 
 @functools.lru_cache(maxsize=64)
 def _coarsen(runs: tuple, max_distinct: int, optimistic: bool) -> tuple:
+    special, groups = member_groups(runs, max_distinct, optimistic)
+    out = list(special)
+    for members in groups:
+        sigmas = [sigma for sigma, _, _ in members]
+        rates = [q for _, q, _ in members]
+        count = sum(c for _, _, c in members)
+        if optimistic:
+            out.append((max(sigmas), min(rates), count))
+        else:
+            out.append((min(sigmas), max(rates), count))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def member_groups(runs: tuple, max_distinct: int, optimistic: bool = False) -> tuple[tuple, tuple]:
+    """``(special, groups)``: the runs of ``sigma = 0`` or ``inf`` (kept as they are), and
+    the groups :func:`coarsen_runs` forms of the others, each a tuple of its distinct
+    ``(sigma, q, count)`` members (equal pairs merged), at most ``max_distinct`` groups
+    in all. ``runs`` holds ``(sigma, q, count)`` floats and ints."""
     merged: dict[tuple[float, float], int] = {}
     for sigma, q, count in runs:
         if count:
             key = (float(sigma), float(q))
             merged[key] = merged.get(key, 0) + int(count)
     # sigma = 0 (no guarantee) and sigma = inf (nothing revealed) stay as they are.
-    out = [(sigma, q, count) for (sigma, q), count in merged.items() if sigma == 0.0 or math.isinf(sigma)]
+    special = tuple((sigma, q, count) for (sigma, q), count in merged.items() if sigma == 0.0 or math.isinf(sigma))
     items = sorted(
         ((key, count) for key, count in merged.items() if 0.0 < key[0] < math.inf),
         key=lambda item: (item[0][1], item[0][0]),
     )
-    if len(items) <= 1:
-        return tuple(out + [(sigma, q, count) for (sigma, q), count in items])
     # The partition depends on the pairs and the rounded counts only: a ledger grown by a
     # step usually finds it cached. The merges it takes for free are cheap pessimistically
     # (a few steps at a group's smallest sigma), not optimistically: a lower bound keeps
     # every pair it has room for.
-    limit = max(1, max_distinct - len(out))
-    if optimistic and len(items) <= limit:
+    limit = max(1, max_distinct - len(special))
+    if len(items) <= 1 or (optimistic and len(items) <= limit):
         sizes = (1,) * len(items)
     else:
         sizes = _partition(tuple((key, _rounded_count(count)) for key, count in items), limit)
     groups, start = [], 0
     for size in sizes:
-        groups.append(items[start:start + size])
+        groups.append(tuple((sigma, q, count) for (sigma, q), count in items[start:start + size]))
         start += size
-    for members in groups:
-        sigmas = [sigma for (sigma, _), _ in members]
-        rates = [q for (_, q), _ in members]
-        count = sum(c for _, c in members)
-        if optimistic:
-            out.append((max(sigmas), min(rates), count))
-        else:
-            out.append((min(sigmas), max(rates), count))
-    return tuple(out)
+    return special, tuple(groups)
 
 
 def _step_cost(sigma: float, q: float) -> float:
