@@ -8,6 +8,7 @@ tiny sigma, the shifted Gaussian mixture (:func:`mixture_epsilon_lower_bound`).
 
 import math
 import random
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -24,6 +25,8 @@ from dpoptim.accounting.gaussian import (
     mixture_epsilon_lower_bound,
 )
 from dpoptim.accounting.ledger import coarsen_runs
+from dpoptim.accounting.mixture import LEVELS as MIXTURE_LEVELS
+from dpoptim.accounting.mixture import mixture_group, rate_weights, sigma_weights
 from dpoptim.accounting.pld import pld_epsilon, pld_epsilon_lower_bound
 
 DELTA = 1e-5
@@ -310,6 +313,128 @@ def test_a_schedule_beyond_the_limit_stays_within_one_percent(monkeypatch):
     assert_bracketed(epsilon_of_ledger(runs, DELTA), lower)
 
 
+# --- mixture groups: many pairs in few transforms ------------------------------------
+
+#: Where the mixture tests compare profiles: both signs, near 0 (where the sigma lemma is
+#: tight) and far out in the tails.
+MIXTURE_EPSILONS = np.concatenate([-np.geomspace(1e-3, 5.0, 12), [0.0], np.geomspace(1e-4, 30.0, 28)])
+
+
+def mixture_profile(anchors, weights, direction, eps):
+    return sum(w * one_step_profile(sigma, q, direction, eps) for (sigma, q), w in zip(anchors, weights) if w > 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.floats(0.3, 8.0), st.floats(0.0, 1.0), st.floats(1.0005, 1.6), st.floats(1e-4, 1.0),
+       st.sampled_from(["remove", "add"]))
+def test_the_sigma_mixture_dominates_every_step_between_its_anchors(sigma_lo, where, ratio, q, direction):
+    # The lemma of dpoptim/accounting/mixture.py, against the exact profiles: the mixture
+    # of the anchors at sigma_lo and sigma_hi with the computed weight on sigma_lo lies
+    # above the step at sigma everywhere; a slightly smaller weight does not.
+    sigma_hi = sigma_lo * ratio
+    sigma = sigma_lo + where * (sigma_hi - sigma_lo)
+    w = float(sigma_weights([sigma], sigma_lo, sigma_hi)[0])
+    anchors = [(sigma_lo, q), (sigma_hi, q)]
+    gaps = [mixture_profile(anchors, [w, 1 - w], direction, eps) - one_step_profile(sigma, q, direction, eps)
+            for eps in MIXTURE_EPSILONS]
+    assert min(gaps) >= -1e-15, (w, min(gaps))
+    if 0.05 < w < 0.95:
+        less = [mixture_profile(anchors, [w - 0.02, 1.02 - w], direction, eps) - one_step_profile(sigma, q, direction, eps)
+                for eps in MIXTURE_EPSILONS]
+        assert min(less) < 0.0
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.floats(-12.0, -0.01), st.floats(0.001, 0.5))
+def test_the_rate_weight_is_never_below_the_exact_one(log_q, width):
+    # Exact rational arithmetic: the weight on q_hi is at least (q - q_lo) / (q_hi - q_lo).
+    q_hi = math.exp(log_q)
+    q_lo = q_hi * (1 - width)
+    rates = np.linspace(q_lo, q_hi, 7)
+    for q, v in zip(rates, rate_weights(rates, q_lo, q_hi)):
+        assert Fraction(float(v)) >= (Fraction(float(q)) - Fraction(q_lo)) / (Fraction(q_hi) - Fraction(q_lo))
+        assert 0.0 <= v <= 1.0
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(2, 40), st.sampled_from(["remove", "add"]))
+def test_every_step_of_a_mixture_group_is_dominated_by_its_row(seed, size, direction):
+    # Random members in a box: each member's steps land in the row of its rounded-up
+    # weights (recomputed here), the row's mixture of the four corners lies above the
+    # member's exact profile, and no step is lost or added.
+    rng = np.random.default_rng(seed)
+    sigmas = np.exp(rng.uniform(math.log(0.5), math.log(3.0), size)) * rng.choice([1.0, 1.3], size)
+    rates = np.exp(rng.uniform(math.log(1e-3), math.log(0.3), size))
+    members = [(float(s), float(q), int(c)) for s, q, c in zip(sigmas, rates, rng.integers(1, 1000, size))]
+    members = list({(s, q): (s, q, c) for s, q, c in members}.values())
+    group = mixture_group(members)
+    sigmas, rates = [m[0] for m in members], [m[1] for m in members]
+    assert sum(group.counts) == sum(c for _, _, c in members)
+    assert np.all(group.weights >= 0) and np.all(group.weights.sum(axis=1) == 1.0)
+    assert group.corner[:2] == (min(sigmas), max(rates))
+    s_lo, s_hi, q_lo, q_hi = min(sigmas), max(sigmas), min(rates), max(rates)
+    corners = [(s_lo, q_hi), (s_lo, q_lo), (s_hi, q_hi), (s_hi, q_lo)]
+    rows = {}
+    for sigma, q, count in members:
+        v = math.ceil(float(rate_weights([q], q_lo, q_hi)[0]) * MIXTURE_LEVELS) / MIXTURE_LEVELS
+        w = math.ceil(float(sigma_weights([sigma], s_lo, s_hi)[0]) * MIXTURE_LEVELS) / MIXTURE_LEVELS
+        weights = [v * w, (1 - v) * w, v * (1 - w), (1 - v) * (1 - w)]
+        rows.setdefault(tuple(weights), []).append((sigma, q, count))
+        for eps in MIXTURE_EPSILONS[::3]:
+            gap = mixture_profile(corners, weights, direction, eps) - one_step_profile(sigma, q, direction, eps)
+            assert gap >= -1e-15, (sigma, q, eps, gap)
+    assert len(rows) == len(group.counts)
+    for weights, steps in rows.items():
+        spread = dict.fromkeys(group.anchors, 0.0)
+        for anchor, weight in zip(corners, weights):
+            if weight > 0:
+                spread[anchor] += weight  # a KeyError: an anchor in use was dropped
+        row = [r for r in range(len(group.counts)) if list(group.weights[r]) == list(spread.values())]
+        assert len(row) == 1 and group.counts[row[0]] == sum(c for _, _, c in steps)
+
+
+def test_a_long_schedule_in_mixture_groups_loses_little(monkeypatch):
+    # 120 runs raising sigma and q together, composed with a few transforms: the mixtures
+    # of the groups' corners stay close to composing every pair (an upper bound itself)
+    # and well below the corners alone, and above a rigorous lower bound.
+    runs = [(1.0 + 0.005 * i, 0.005 * 1.006**i, 100) for i in range(120)]
+    every = pld_epsilon(runs, DELTA, max_groups=120)
+    lower = pld_epsilon_lower_bound(runs, DELTA, grid_points=2**14, max_groups=16)
+    for limit, rel in ((16, 0.02), (64, 3e-3)):
+        mixed = pld_epsilon(runs, DELTA, max_groups=limit)
+        corners = pld_epsilon(coarsen_runs(runs, limit), DELTA)
+        assert lower <= mixed <= every * (1 + rel), (limit, mixed, every)
+        assert mixed < corners * (1 - rel), (limit, mixed, corners)
+
+
+def test_mixture_groups_are_cached_and_redone_in_extended_precision(monkeypatch):
+    # Tiny q with tiny delta: the rounding allowance binds, and the mixtures are composed
+    # again in extended precision, above a rigorous lower bound. A ledger grown by a step
+    # transforms only the group that changed.
+    from dpoptim.accounting import pld as pld_module
+
+    runs = [(1.0 + 0.01 * i, 1e-5 * (1 + 0.01 * i), 10_000) for i in range(40)]
+    dtypes, transformed = [], []
+    compose, transform = pld_module._compose_direction, pld_module._fft_groups
+
+    def composing(steps, direction, grid, delta, dtype, *args, **kwargs):
+        dtypes.append((np.dtype(dtype), kwargs.get("mixture") is not None))
+        return compose(steps, direction, grid, delta, dtype, *args, **kwargs)
+
+    def transforming(full, n, dtype):
+        transformed.extend(index for index, _, _ in full)
+        return transform(full, n, dtype)
+
+    monkeypatch.setattr(pld_module, "_compose_direction", composing)
+    monkeypatch.setattr(pld_module, "_fft_groups", transforming)
+    upper = pld_epsilon(runs, 1e-12, grid_points=2**15, max_groups=8)
+    assert (np.dtype(np.longdouble), True) in dtypes or np.finfo(np.longdouble).eps == np.finfo(float).eps
+    assert pld_epsilon_lower_bound(runs, 1e-12, grid_points=2**15, max_groups=8) <= upper
+    transformed.clear()
+    grown = pld_epsilon([*runs[:-1], (runs[-1][0], runs[-1][1], runs[-1][2] + 1)], 1e-12, grid_points=2**15, max_groups=8)
+    assert upper <= grown and len(set(transformed)) == 1
+
+
 # --- calibration edges ------------------------------------------------------------------
 
 
@@ -578,7 +703,8 @@ def test_a_schedule_is_composed_on_a_coarser_grid(monkeypatch):
     runs = [(1.0 + 0.01 * i, 0.01, 100) for i in range(100)]
     sizes = []
     compose_on = pld_module._compose_on
-    monkeypatch.setattr(pld_module, "_compose_on", lambda s, d, grid: sizes.append(grid.n) or compose_on(s, d, grid))
+    monkeypatch.setattr(pld_module, "_compose_on",
+                        lambda s, d, grid, **kw: sizes.append(grid.n) or compose_on(s, d, grid, **kw))
     pld_module._pld_epsilon.cache_clear()
     chosen = pld_epsilon(runs, DELTA)
     assert sizes and max(sizes) <= 2**16
@@ -596,7 +722,8 @@ def test_a_grid_guessed_too_coarse_is_refined_on_the_pld_answer(monkeypatch):
 
     def run(guess):
         sizes = []
-        monkeypatch.setattr(pld_module, "_compose_on", lambda s, d, grid: sizes.append(grid.n) or compose_on(s, d, grid))
+        monkeypatch.setattr(pld_module, "_compose_on",
+                            lambda s, d, grid, **kw: sizes.append(grid.n) or compose_on(s, d, grid, **kw))
         if guess is not None:
             monkeypatch.setattr(pld_module, "_rdp_guess", lambda steps, delta: guess)
         pld_module._pld_epsilon.cache_clear()

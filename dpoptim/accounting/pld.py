@@ -51,6 +51,13 @@ Each step keeps only the grid points between where its loss reaches
 that the mass beyond, over the whole ledger, is at most ``delta / 131072``: above, it
 goes to :math:`+\infty` (counted in full), below, it is rounded up.
 
+**Many pairs.** Beyond the group limit, a ledger's pairs are grouped
+(:func:`~dpoptim.accounting.ledger.coarsen_runs`) and each group is composed either at
+its corner (smallest sigma, largest q: one transform) or, where the grouping's proxy
+says it costs less, as rows of mixtures of its four corners (:mod:`.mixture`: four
+transforms, mixed per row on the few frequencies where the composed transform lives,
+:func:`_mixture_product`).
+
 **The window.** The grid is a window :math:`[a, b)` of ``n`` points of spacing ``h``
 (a power of two). Its edges come from Chernoff bounds,
 :math:`\Pr[S \ge b] \le \min_\lambda e^{-\lambda b}\,\mathbb E[e^{\lambda S}]`, with
@@ -116,6 +123,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import background
+from . import ledger as ledger_module
 from .gaussian import (
     gaussian_epsilon,
     gaussian_mu,
@@ -123,7 +131,8 @@ from .gaussian import (
     mixture_delta_lower_bound,
     mixture_epsilon,
 )
-from .ledger import MAX_DISTINCT_RUNS, Accountant, Ledger, check_count, check_delta, coarsen_runs
+from .ledger import MAX_DISTINCT_RUNS, Accountant, Ledger, Run, check_count, check_delta, coarsen_runs, member_groups
+from .mixture import MixtureGroup, better_than_corners, mixture_groups
 from .rdp import DEFAULT_ORDERS, epsilon_from_rdp, ledger_rdp, rdp_subsampled_gaussian
 from .special import log_ndtr, ndtri
 
@@ -241,18 +250,39 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool
     if not subsampled:
         return _shifted_max({d: _gaussian_epsilon_bound(deltas[d], mu, lower) for d in deltas}, shift)
     # Full-batch runs compose exactly into one Gaussian step of noise multiplier 1/mu.
-    steps = coarsen_runs(subsampled, max_groups, optimistic=lower)
-    if mu > 0:
-        steps.append((1.0 / mu, 1.0, 1))
+    steps, mixture = _grouped(subsampled, max_groups, mu, lower)
     rest_delta = (delta - p0) * (1.0 - 1e-12)
-    ceiling = math.inf if lower else _other_bounds(noisy, rest_delta)
+    # The other bounds of a ledger of many pairs are taken on the groups' corners (they
+    # dominate it): cheaper than on its own groups, and only a ceiling there.
+    bounded = tuple(Run(*step) for step in steps) if mixture else noisy
+    ceiling = math.inf if lower else _other_bounds(bounded, rest_delta)
     try:
-        pld = _shifted_max(_compose_and_invert(tuple(steps), deltas, grid_points, lower, ceiling), shift)
+        pld = _shifted_max(_compose_and_invert(tuple(steps), deltas, grid_points, lower, ceiling, mixture), shift)
     except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
         pld = 0.0 if lower else math.inf  # no PLD answer here: the other bounds stand
     if lower:
         return pld
-    return min(pld, ceiling, _all_orders_rdp(noisy, rest_delta, min(pld, ceiling)))
+    return min(pld, ceiling, _all_orders_rdp(bounded, rest_delta, min(pld, ceiling)))
+
+
+def _grouped(subsampled: list, max_groups: int | None, mu: float, lower: bool) -> tuple[list, tuple | None]:
+    """``(steps, mixture)``: the subsampled runs grouped (:func:`coarsen_runs`) with the
+    full-batch Gaussian step of noise multiplier ``1/mu`` (if any) appended; or, for the
+    upper bound of a ledger of more distinct pairs than the group limit, mixture groups
+    (:mod:`.mixture`, the Gaussian step a group of its own) and their corners as steps."""
+    limit = ledger_module.MAX_DISTINCT_RUNS if max_groups is None else max_groups
+    runs = tuple(subsampled)
+    steps = coarsen_runs(runs, limit, optimistic=lower)
+    mixture = None
+    if not lower and len({run[:2] for run in runs}) > limit:
+        mixture = mixture_groups(member_groups(runs, limit, False)[1], limit)  # coarsen_runs' groups, cached
+        if not better_than_corners(mixture, runs, steps):
+            mixture = None
+    if mixture is None:
+        return steps + [(1.0 / mu, 1.0, 1)] if mu > 0 else steps, None
+    if mu > 0:
+        mixture += (MixtureGroup(((1.0 / mu, 1.0),), np.ones((1, 1)), (1,), (1.0 / mu, 1.0, 1)),)
+    return [group.corner for group in mixture], mixture
 
 
 def _certified_mixture(sigma: float, q: float, count: int, delta: float) -> float | None:
@@ -368,15 +398,17 @@ class _Grid:
 
 
 def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, lower: bool = False,
-                        ceiling: float = math.inf) -> dict:
+                        ceiling: float = math.inf, mixture=None) -> dict:
     """Epsilon of each direction, each at its own delta, on one grid.
 
     ``grid_points=None``: the grid is sized from the RDP guess of epsilon (see
     :func:`_choose_grid`), then checked on the PLD's own answer and refined once more
     where it fails, unless that answer is at or above ``ceiling``: another sound bound
-    that the caller reports instead, so that a finer grid would not change the result."""
+    that the caller reports instead, so that a finer grid would not change the result.
+    ``mixture``: mixture groups (:mod:`.mixture`) composed in place of ``steps``, their
+    corners, which size the grid."""
     delta = min(deltas.values())
-    compose_on = _lower_on if lower else _compose_on
+    compose_on = _lower_on if lower else functools.partial(_compose_on, mixture=mixture)
     if grid_points is not None:
         return compose_on(steps, deltas, _choose_grid(steps, delta, _fft_size(grid_points)))
     first, last = AUTO_GRID_POINTS
@@ -398,8 +430,9 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
     return epsilons
 
 
-def _compose_on(steps: tuple, deltas: dict, grid: _Grid) -> dict:
-    return _both_directions(lambda direction: _direction_epsilon(steps, direction, grid, deltas[direction]))
+def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None) -> dict:
+    return _both_directions(
+        lambda direction: _direction_epsilon(steps, direction, grid, deltas[direction], mixture=mixture))
 
 
 def _lower_on(steps: tuple, deltas: dict, grid: _Grid) -> dict:
@@ -1225,7 +1258,11 @@ def _tilted_step(sigma, q, direction, spacing, i_low, i_high, tilt, optimistic=F
     ``M = sum_k m_k e^{tilt l_k}`` over the finite part and ``log_mgf = log M``; ``p_inf``
     is the mass at +inf.
     """
-    first, masses, p_inf = _step_distribution(sigma, q, direction, spacing, i_low, i_high, optimistic)
+    return _tilted(*_step_distribution(sigma, q, direction, spacing, i_low, i_high, optimistic), spacing, tilt)
+
+
+def _tilted(first: int, masses: np.ndarray, p_inf: float, spacing: float, tilt: float) -> tuple:
+    """:func:`_tilted_step` of a grid distribution ``(first, masses, p_inf)``."""
     losses = (first + np.arange(masses.size)) * spacing
     with np.errstate(divide="ignore"):
         log_tilted = np.log(masses) + tilt * losses
@@ -1280,6 +1317,13 @@ def _step_prefixes(items, n: int, tilt: float, dtype, optimistic: bool) -> list:
         chunk = missing[start:start + rows]
         for i, entry in zip(chunk, _transform_batch([items[i] for i in chunk], n, tilt, dtype, optimistic)):
             entries[i] = entry
+    _cache_put(keys, entries)
+    return entries
+
+
+def _cache_put(keys: list, entries: list) -> None:
+    """Store ``entries`` (tuples whose first item is an array) in the transform cache, the
+    least recently used out first beyond :data:`_PREFIX_CACHE_BYTES` (never these)."""
     with _prefix_lock:
         for key, entry in zip(keys, entries):
             _prefix_cache[key] = entry
@@ -1287,7 +1331,6 @@ def _step_prefixes(items, n: int, tilt: float, dtype, optimistic: bool) -> list:
         while size > _PREFIX_CACHE_BYTES and len(_prefix_cache) > len(keys):
             oldest = next(iter(_prefix_cache))
             size -= _prefix_cache.pop(oldest)[0].nbytes
-    return entries
 
 
 def _prefix_key(item, n, tilt, dtype, optimistic) -> tuple:
@@ -1384,7 +1427,7 @@ def _dead_cuts(spectra: np.ndarray, counts: np.ndarray) -> list[tuple[int, float
 # --- composition and the privacy profile -------------------------------------------
 
 
-def _direction_epsilon(steps, direction, grid: _Grid, delta, head: int = 0) -> float:
+def _direction_epsilon(steps, direction, grid: _Grid, delta, head: int = 0, mixture=None) -> float:
     """Epsilon of one direction; in extended precision when rounding decides the answer.
 
     Where the floating-point allowance makes up a noticeable part of delta at the answer
@@ -1392,9 +1435,10 @@ def _direction_epsilon(steps, direction, grid: _Grid, delta, head: int = 0) -> f
     platform's extended precision (80-bit on x86), whose allowance is ~2000 times smaller.
     Both results are sound; the smaller is returned. ``head``: see :func:`_compose_direction`.
     """
-    epsilon, binding = _compose_direction(steps, direction, grid, delta, np.float64, head=head)
+    epsilon, binding = _compose_direction(steps, direction, grid, delta, np.float64, head=head, mixture=mixture)
     if binding and _EXTENDED_U < _U:
-        epsilon = min(epsilon, _compose_direction(steps, direction, grid, delta, np.longdouble, head=head)[0])
+        epsilon = min(epsilon, _compose_direction(steps, direction, grid, delta, np.longdouble, head=head,
+                                                  mixture=mixture)[0])
     return epsilon
 
 
@@ -1407,7 +1451,7 @@ def _direction_lower(steps, direction, grid: _Grid, delta) -> float:
 
 
 def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool = False,
-                       head: int = 0) -> tuple[float, bool]:
+                       head: int = 0, mixture=None) -> tuple[float, bool]:
     r"""Compose by FFT, undo the tilt, invert the profile: ``(epsilon, rounding_binding)``.
 
     The transform works on the *tilted* distributions :math:`\tilde m_k \propto m_k
@@ -1426,7 +1470,10 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
     bottoms = grid.bottoms[direction] if grid.bottoms and not lower else (grid.i_low,) * len(steps)
     items = [(sigma, q, direction, spacing, bottom, top, count)
              for (sigma, q, count), bottom, top in zip(steps, bottoms, grid.tops[direction])]
-    if 0 < head < len(steps):
+    tail = grid.tail
+    if mixture is not None:
+        parts, tail = _mixture_product(mixture, direction, grid, delta, dtype)
+    elif 0 < head < len(steps):
         parts = _joined(_head_product(tuple(items[:head]), grid, dtype, lower), _product(items[head:], grid, dtype, lower))
     else:
         parts = _product(items, grid, dtype, lower)
@@ -1439,14 +1486,15 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
     log_untilt = parts.cgf - grid.tilt * losses
     unit = float(np.finfo(dtype).eps) / 2
     noise = _rounding_allowance(n, parts.total_steps, np.exp(parts.log_weight),
-                                np.abs(parts.spectrum).astype(np.float64), unit, parts.dead_log_weight)
+                                np.abs(parts.spectrum).astype(np.float64), unit, parts.dead_log_weight,
+                                parts.step_error)
     if lower:
         below = _below_window(steps, direction, grid)
         # Composed index k is at loss k h plus the steps' offsets, rounded down.
         offset = _total_offset(steps, direction, spacing)
         labels = losses + offset - 4.0 * _U * (np.abs(losses) + offset)
         return _invert_profile(tilted, log_untilt, labels, -below, noise, delta, lower=True)
-    constant = -math.expm1(parts.log_finite) + grid.tail
+    constant = -math.expm1(parts.log_finite) + tail
     return _invert_profile(tilted, log_untilt, losses, constant, noise, delta)
 
 
@@ -1460,6 +1508,7 @@ class _Product(NamedTuple):
     log_finite: float  # log of the chance that no step's loss is +inf
     cgf: float  # sum_r c_r log M_r (the tilt's normalisations)
     total_steps: int
+    step_error: float | None = None  # entrywise error of the steps' transforms (None: a full FFT's)
 
 
 def _product(items, grid: _Grid, dtype, lower: bool) -> _Product:
@@ -1520,6 +1569,183 @@ def _head_product(items: tuple, grid: _Grid, dtype, lower: bool) -> _Product:
     return product
 
 
+# --- mixture groups: many pairs in few transforms (see :mod:`.mixture`) --------------
+
+
+def _mixture_product(groups, direction, grid: _Grid, delta: float, dtype) -> tuple[_Product, float]:
+    """:class:`_Product` of the rows of mixture ``groups``, and a certified bound on their
+    composed mass at or beyond the window's top (it stands in for ``grid.tail``, which
+    was certified for the groups' corners).
+
+    Each anchor is discretised like a step (connect-the-dots, ends by :func:`_tail_ends`
+    with its group's step count) and transformed once (:func:`_group_spectra`); a row's
+    distribution is the mixture of its anchors' with the row's weights, so its tilted
+    transform is the mixture of theirs (:func:`_mixed_rows`) and its mass at +inf too.
+    """
+    spacing, n = grid.spacing, grid.n
+    anchors = tuple((sigma, q, group.corner[2]) for group in groups for sigma, q in group.anchors)
+    bottoms, tops = _tail_ends(anchors, spacing, grid.i_low, grid.i_low + n - 1, _TAIL_FRACTION * delta)
+    ends = list(zip(bottoms[direction], tops[direction]))
+    spectra = _group_spectra(groups, ends, direction, grid, dtype)
+    alive = min(prefixes.shape[1] for prefixes, _, _ in spectra)
+    real = np.empty(0, dtype=dtype).real.dtype
+    sums = [np.zeros(alive, dtype=real), np.zeros(alive, dtype=real), np.zeros(alive)]
+    cgf = log_finite = cgf_size = 0.0
+    dead_log_weight = -math.inf if alive == n // 2 + 1 else 0.0
+    for group, (prefixes, bound, parts) in zip(groups, spectra):
+        log_norms, p_inf = _mixed_rows(group, parts, prefixes[:, :alive], sums)
+        counts = np.array(group.counts, dtype=float)
+        cgf += float(counts @ log_norms)
+        cgf_size += float(counts @ (1.0 + np.abs(log_norms)))
+        log_finite += float(counts @ np.log1p(-np.minimum(p_inf, 1.0)))
+        if alive < bound.size:
+            # Past ``alive`` every row's modulus is at most the bound (a mixture of the anchors').
+            with np.errstate(divide="ignore"):
+                dead_log_weight = min(dead_log_weight, (counts - 1.0).sum() * math.log(bound[alive]))
+    total = sum(sum(group.counts) for group in groups)
+    top = (grid.i_low + n) * spacing
+    # Chernoff at the tilt: the rows' normalisations are their moment generating
+    # functions there, each a sum of positive terms (each logarithm raised by 1e-12 of
+    # one plus its size, far more than its rounding).
+    tail = math.exp(min(cgf + 1e-12 * cgf_size - grid.tilt * top, 0.0)) if grid.tilt > 0 else 1.0
+    if tail > grid.tail:
+        grids = [_step_distribution(sigma, q, direction, spacing, bottom, top)
+                 for (sigma, q, _), (bottom, top) in zip(anchors, ends)]
+        tail = min(tail, _mixture_tail(groups, grids, spacing, top))
+    # Mixing adds at most 8 units to each entry (four products and sums, weights summing to 1).
+    unit = float(np.finfo(dtype).eps) / 2
+    product = _Product(_polar(sums[0], sums[1]), sums[2], dead_log_weight, log_finite, cgf, total,
+                       4.0 * unit * math.log2(n) + 8.0 * unit)
+    return product, tail
+
+
+def _mixed_rows(group, parts: list, prefixes: np.ndarray, sums: list) -> tuple[np.ndarray, np.ndarray]:
+    """Add a group's rows to ``sums`` (of ``count * log|F|``, of ``count * angle F`` mod 2 pi
+    and of ``(count - 1) * log|F|``, as :func:`_product` does) and return each row's log
+    normalisation and mass at +inf. ``parts`` holds the anchors' ``(p_inf, log_mgf)`` of
+    :func:`_tilted`, ``prefixes`` their transforms. Row ``r`` mixes the anchors' finite masses with its weights ``w_c``,
+    so its tilted transform mixes theirs with ``w_c M_c / sum_c w_c M_c``."""
+    with np.errstate(divide="ignore"):
+        log_terms = np.log(group.weights) + np.array([log_mgf for _, log_mgf in parts])
+    peak = log_terms.max(axis=1, keepdims=True)
+    log_norms = peak[:, 0] + np.log(np.exp(log_terms - peak).sum(axis=1))
+    shares = np.exp(log_terms - log_norms[:, None]).astype(prefixes.real.dtype)
+    mixed = shares[:, :1] * prefixes[0]  # at most four anchors: sums, not a matrix product
+    for c in range(1, prefixes.shape[0]):
+        mixed += shares[:, c:c + 1] * prefixes[c]
+    counts = np.array(group.counts, dtype=float)[:, None]
+    with np.errstate(divide="ignore"):
+        log_modulus = np.log(np.abs(mixed))
+    sums[0] += (counts.astype(sums[0].dtype) * log_modulus).sum(axis=0)
+    sums[1] += np.remainder(counts * np.angle(mixed), 2.0 * math.pi).sum(axis=0)
+    sums[2] += ((counts - 1.0) * log_modulus).sum(axis=0, dtype=np.float64)
+    return log_norms, group.weights @ np.array([p_inf for p_inf, _ in parts])
+
+
+def _group_spectra(groups, ends: list, direction: str, grid: _Grid, dtype) -> list:
+    """Per group ``(transforms, bound, parts)``: its anchors' transforms up to the frequency
+    past which the group's composed transform is dead, a bound on every anchor's modulus
+    past each frequency up to there, and per anchor ``(p_inf, log_mgf)`` of
+    :func:`_tilted`. ``ends`` holds each anchor's lowest and highest grid index.
+
+    A row's modulus is at most its anchors' largest (a mixture with weights summing to
+    1), so the group's ``N`` steps compose to a modulus at most ``bound^N``: past the
+    first frequency where that is at most e^-_DEAD, the composed transform is zero.
+    Groups are cached like steps (:func:`_step_prefixes`): a ledger grown by a step
+    usually changes one group, whose transforms alone are computed again.
+    """
+    keys, start = [], 0
+    for group in groups:
+        supports = tuple(_support(sigma, q, direction, grid.spacing, *end)
+                         for (sigma, q), end in zip(group.anchors, ends[start:start + len(group.anchors)]))
+        keys.append(("mixture", group.anchors, group.corner[2], direction, grid.spacing, supports, grid.n,
+                      grid.tilt, np.dtype(dtype).str))
+        start += len(group.anchors)
+    with _prefix_lock:
+        out = [_prefix_cache.pop(key, None) for key in keys]
+    missing, start = [], 0
+    for index, group in enumerate(groups):
+        if out[index] is None:
+            parts = [_tilted(*_step_distribution(sigma, q, direction, grid.spacing, *end), grid.spacing, grid.tilt)
+                     for (sigma, q), end in zip(group.anchors, ends[start:start + len(group.anchors)])]
+            missing.append((index, parts, group.corner[2]))
+        start += len(group.anchors)
+    for index, (transforms, bound), parts in _fft_groups(missing, grid.n, dtype):
+        out[index] = (transforms, bound, [(part[2], part[3]) for part in parts])
+    _cache_put(keys, out)
+    return out
+
+
+def _fft_groups(full: list, n: int, dtype):
+    """``(index, (transforms, bound), anchors)`` of :func:`_group_spectra` for ``(index,
+    anchors, steps)`` triples (anchors as :func:`_tilted` gives them), by full
+    transforms, as many anchors at once as a batch holds."""
+    rows = max(4, _BATCH_POINTS // (n * np.dtype(dtype).itemsize // 8))
+    batch: list = []
+    for position, (index, parts, steps) in enumerate(full):
+        batch.append((index, parts, steps))
+        size = sum(len(p) for _, p, _ in batch)
+        if position + 1 < len(full) and size + len(full[position + 1][1]) <= rows:
+            continue
+        placed, spectra = _buffers(size, n, dtype)
+        where = []
+        try:
+            for row, (first, masses, _, _) in enumerate(part for _, p, _ in batch for part in p):
+                where.append(_circular_slices(first % n, masses.size, n))
+                for columns, piece in where[-1]:
+                    placed[row, columns] = masses[piece]
+            np.fft.rfft(placed, axis=1, out=spectra)
+        finally:
+            for row, pieces in enumerate(where):
+                for columns, _ in pieces:
+                    placed[row, columns] = 0.0
+        row = 0
+        for index, parts, steps in batch:
+            yield index, _dead_prefix(spectra[row:row + len(parts)], steps), parts
+            row += len(parts)
+        batch = []
+
+
+def _dead_prefix(anchors: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """For :func:`_group_spectra`: the anchors' transforms up to the cut, and the bound
+    on their moduli past each frequency up to the cut (one more entry)."""
+    size = anchors.shape[1]
+    modulus = np.abs(anchors[0]).astype(np.float64)  # moduli, not their squares (subnormals are slow)
+    for row in anchors[1:]:
+        np.maximum(modulus, np.abs(row), out=modulus)
+    live = np.flatnonzero(modulus > math.exp(-_DEAD / steps)) if steps > 1 else [size - 1]
+    cut = int(live[-1]) + 1 if len(live) else 0
+    beyond = float(modulus[cut:].max()) if cut < size else 0.0
+    if cut < size and not (beyond > 0 and steps * math.log(beyond) <= -_DEAD):
+        cut, beyond = size, 0.0  # rounding at the threshold: keep everything
+    head = modulus[:cut + 1] if cut < size else modulus
+    bound = np.maximum(np.maximum.accumulate(head[::-1])[::-1], beyond)
+    return anchors[:, :max(cut, 1)].copy(), bound
+
+
+#: Exponents of the Chernoff certificate of :func:`_mixture_tail` (narrow distributions
+#: need large ones).
+_TAIL_LAMBDAS = np.geomspace(1e-3, 1e9, 49)
+
+
+def _mixture_tail(groups, grids: list, spacing: float, top: float) -> float:
+    r"""A bound on the composed mass of the mixture rows at or beyond ``top``:
+    :math:`\min_\lambda e^{-\lambda\,top} \prod_r M_r(\lambda)^{n_r}`, each row's moment
+    generating function the mixture of its anchors' (exact on the grid, rounded up)."""
+    log_mgfs = [_log_mgf(first, masses, spacing, _TAIL_LAMBDAS) for first, masses, _ in grids]
+    cgf, start = np.zeros(_TAIL_LAMBDAS.size), 0
+    for group in groups:
+        anchors = np.array(log_mgfs[start:start + len(group.anchors)])
+        start += len(group.anchors)
+        with np.errstate(divide="ignore"):
+            terms = np.log(group.weights)[:, :, None] + anchors[None, :, :]
+        peak = np.max(terms, axis=1)
+        rows = peak + np.log(np.exp(terms - peak[:, None, :]).sum(axis=1))
+        cgf = cgf + np.array(group.counts, dtype=float) @ rows
+    exponent = cgf - _TAIL_LAMBDAS * top
+    return math.exp(min(float((exponent + 1e-12 * (1.0 + np.abs(exponent))).min()), 0.0))
+
+
 def _below_window(steps, direction, grid: _Grid) -> float:
     """For lower bounds: a Chernoff bound on the composed optimistic mass below the window.
 
@@ -1537,7 +1763,7 @@ def _below_window(steps, direction, grid: _Grid) -> float:
 
 
 def _rounding_allowance(n: int, total_steps: int, weight: np.ndarray, modulus: np.ndarray, unit: float,
-                        dead_log_weight: float = -math.inf) -> float:
+                        dead_log_weight: float = -math.inf, step_error: float | None = None) -> float:
     r"""Bound on the floating-point error of each entry of the composed (tilted) distribution.
 
     A radix-2 transform of a probability vector is accurate entrywise to about
@@ -1558,7 +1784,9 @@ def _rounding_allowance(n: int, total_steps: int, weight: np.ndarray, modulus: n
     ``weight`` and ``modulus`` may stop short of the ``n / 2 + 1`` frequencies of the
     half-spectrum (see :func:`_step_prefixes`): beyond, the modulus of the product is below
     e^-_DEAD and the weight below ``e^dead_log_weight``, and both bounds enter the
-    averages for every frequency cut off.
+    averages for every frequency cut off. ``step_error`` replaces the first
+    :math:`4 u \log_2 n` where the steps' transforms were computed otherwise (mixtures of
+    anchors, transforms of a prefix: :func:`_mixture_product`).
     """
     half_size = n // 2 + 1
     cut = half_size - weight.size
@@ -1569,7 +1797,9 @@ def _rounding_allowance(n: int, total_steps: int, weight: np.ndarray, modulus: n
 
     weights = average(weight, math.exp(min(dead_log_weight, 0.0)) if cut else 0.0)
     moduli = average(modulus, math.exp(-_DEAD) if cut else 0.0)
-    return 4.0 * unit * math.log2(n) * (total_steps * weights + moduli) + 1e-290
+    transform = 4.0 * unit * math.log2(n)
+    per_step = transform if step_error is None else step_error
+    return per_step * total_steps * weights + transform * moduli + 1e-290
 
 
 def _polar(log_modulus: np.ndarray, angle: np.ndarray) -> np.ndarray:
