@@ -70,7 +70,7 @@ def _ledgers():
 
 def _lower_bound(ledger, delta):
     """A rigorous lower bound: the largest of the dominated PLD (merged bins, any number
-    of steps; up to 512 groups, each at its largest sigma and smallest q) and, for a
+    of steps; up to 1024 groups, each at its largest sigma and smallest q) and, for a
     single run, the shifted Gaussian mixture (tight for tiny sigma)."""
     noisy = [run for run in ledger if run[0] > 0]
     mixture = 0.0
@@ -80,7 +80,7 @@ def _lower_bound(ledger, delta):
         if sigma < 0.1 or q == 1.0:
             return mixture
     pairs = len({(sigma, q) for sigma, q, _ in noisy})
-    return max(mixture, pld_epsilon_lower_bound(ledger, delta, max_groups=min(max(pairs, 1), 512)))
+    return max(mixture, pld_epsilon_lower_bound(ledger, delta, max_groups=min(max(pairs, 1), 1024)))
 
 
 _PEER_MEMORY = 6 * 2**30  # bytes of address space a peer may use

@@ -441,14 +441,26 @@ def _steered_search(eps, sigma, q, delta, budget: float, base: Ledger, low: int,
         value = steering_epsilon(base, sigma, q, k, delta, grid_count=cap[0], grid_points=_STEERING_GRID)
         return value * bias[0]
 
+    if base.steps:
+        # The steering keeps the ledger's groups at their corners, which the accountant
+        # may account closer (as mixtures, see mixture.py): start from its ratio at k = 0.
+        bias[0] = eps(0) / steer(0)
     found = _search_steps(steer, budget, low, limit)
     if found >= limit:
         return limit
     if found > 0:
-        bias[0] = eps(found) / steer(found)
+        first, first_value = found, eps(found)
+        bias[0] *= first_value / steer(found)
         found = _search_steps(steer, budget, found, limit, first_step=max(1, found // 64))
         if found >= limit:
             return limit
+        # The bias still drifts with k (the accountant regroups the ledger with the new
+        # pair): a secant through its values at both answers lands within a step or two.
+        value = eps(found)
+        if found != first and value != first_value and math.isfinite(value) and math.isfinite(first_value):
+            guess = found + (budget - value) * (first - found) / (first_value - value)
+            spread = abs(first - found)
+            found = min(max(int(guess), found - spread, 0), found + spread)
     return _settle(eps, budget, found, limit)
 
 
