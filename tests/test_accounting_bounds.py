@@ -24,9 +24,9 @@ from dpoptim.accounting.gaussian import (
     mixture_epsilon,
     mixture_epsilon_lower_bound,
 )
-from dpoptim.accounting.ledger import coarsen_runs
+from dpoptim.accounting.ledger import coarsen_runs, member_groups
 from dpoptim.accounting.mixture import LEVELS as MIXTURE_LEVELS
-from dpoptim.accounting.mixture import mixture_group, rate_weights, sigma_weights
+from dpoptim.accounting.mixture import mixture_group, mixture_groups, rate_weights, sigma_weights
 from dpoptim.accounting.pld import pld_epsilon, pld_epsilon_lower_bound
 
 DELTA = 1e-5
@@ -357,22 +357,25 @@ def test_the_rate_weight_is_never_below_the_exact_one(log_q, width):
 
 
 @settings(max_examples=15, deadline=None)
-@given(st.integers(0, 2**32 - 1), st.integers(2, 40), st.sampled_from(["remove", "add"]))
-def test_every_step_of_a_mixture_group_is_dominated_by_its_row(seed, size, direction):
-    # Random members in a box: each member's steps land in the row of its rounded-up
-    # weights (recomputed here), the row's mixture of the four corners lies above the
-    # member's exact profile, and no step is lost or added.
+@given(st.integers(0, 2**32 - 1), st.integers(2, 40), st.sampled_from(["remove", "add"]), st.booleans())
+def test_every_step_of_a_mixture_group_is_dominated_by_its_row(seed, size, direction, stretch):
+    # Random members in a box (their ranges, or stretched up as a chain of groups
+    # stretches it): each member's steps land in the row of its rounded-up weights
+    # (recomputed here), the row's mixture of the four corners lies above the member's
+    # exact profile, and no step is lost or added.
     rng = np.random.default_rng(seed)
     sigmas = np.exp(rng.uniform(math.log(0.5), math.log(3.0), size)) * rng.choice([1.0, 1.3], size)
     rates = np.exp(rng.uniform(math.log(1e-3), math.log(0.3), size))
     members = [(float(s), float(q), int(c)) for s, q, c in zip(sigmas, rates, rng.integers(1, 1000, size))]
     members = list({(s, q): (s, q, c) for s, q, c in members}.values())
-    group = mixture_group(members)
     sigmas, rates = [m[0] for m in members], [m[1] for m in members]
+    s_lo, s_hi, q_lo, q_hi = min(sigmas), max(sigmas), min(rates), max(rates)
+    if stretch:
+        s_hi, q_hi = s_hi * 1.05, min(1.0, q_hi * 1.1)
+    group = mixture_group(members, box=(s_lo, s_hi, q_lo, q_hi))
     assert sum(group.counts) == sum(c for _, _, c in members)
     assert np.all(group.weights >= 0) and np.all(group.weights.sum(axis=1) == 1.0)
-    assert group.corner[:2] == (min(sigmas), max(rates))
-    s_lo, s_hi, q_lo, q_hi = min(sigmas), max(sigmas), min(rates), max(rates)
+    assert group.corner[:2] == (s_lo, q_hi)
     corners = [(s_lo, q_hi), (s_lo, q_lo), (s_hi, q_hi), (s_hi, q_lo)]
     rows = {}
     for sigma, q, count in members:
@@ -398,6 +401,11 @@ def test_a_long_schedule_in_mixture_groups_loses_little(monkeypatch):
     # of the groups' corners stay close to composing every pair (an upper bound itself)
     # and well below the corners alone, and above a rigorous lower bound.
     runs = [(1.0 + 0.005 * i, 0.005 * 1.006**i, 100) for i in range(120)]
+    # The groups form a chain: each stretched to the next one's lowest corner and sharing
+    # it, so 64 distinct anchors hold more than 16 groups.
+    chain = mixture_groups(member_groups(tuple(runs), 64, False)[1], 64)
+    assert len({anchor for group in chain for anchor in group.anchors}) <= 64 < 4 * len(chain)
+    assert all(set(a.anchors) & set(b.anchors) for a, b in zip(chain, chain[1:]))
     every = pld_epsilon(runs, DELTA, max_groups=120)
     lower = pld_epsilon_lower_bound(runs, DELTA, grid_points=2**14, max_groups=16)
     for limit, rel in ((16, 0.02), (64, 3e-3)):
@@ -421,9 +429,9 @@ def test_mixture_groups_are_cached_and_redone_in_extended_precision(monkeypatch)
         dtypes.append((np.dtype(dtype), kwargs.get("mixture") is not None))
         return compose(steps, direction, grid, delta, dtype, *args, **kwargs)
 
-    def transforming(full, n, dtype):
-        transformed.extend(index for index, _, _ in full)
-        return transform(full, n, dtype)
+    def transforming(missing, *args):
+        transformed.extend(index for index, _ in missing)
+        return transform(missing, *args)
 
     monkeypatch.setattr(pld_module, "_compose_direction", composing)
     monkeypatch.setattr(pld_module, "_fft_groups", transforming)

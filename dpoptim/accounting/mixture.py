@@ -47,8 +47,10 @@ is the q-mixture of ``(sigma, q_lo)`` and ``(sigma, q_hi)``, each dominated by t
 sigma-mixture of the corners at its ``q``: the four corners with weights ``v w``, ``(1-v)
 w``, ``v (1-w)``, ``(1-v)(1-w)``. The profile of that mixture grows with ``v`` and with ``w``
 (each moves weight to a dominating corner), so rounding them *up* keeps it sound: they are
-rounded up to multiples of ``1/levels``, and the steps of a group then share a few dozen
-weight rows. Rounding also covers the floating-point error of the weights.
+rounded up to multiples of ``1/levels``, and the steps of a group then share a hundred
+weight rows or so. Rounding also covers the floating-point error of the weights. Any box
+holding the step will do: neighbouring groups of a schedule stretch theirs to share a
+corner (:func:`mixture_groups`).
 
 Only the upper bound uses mixtures: a lower bound (``optimistic`` grouping) keeps the
 corner that the group dominates.
@@ -115,10 +117,14 @@ def rate_weights(rates, q_lo: float, q_hi: float) -> np.ndarray:
     return np.where(rates >= q_hi, 1.0, np.where(rates <= q_lo, 0.0, np.minimum(v, 1.0)))
 
 
-def mixture_group(members, levels: int = LEVELS) -> MixtureGroup:
-    """The :class:`MixtureGroup` of ``members`` (``(sigma, q, count)``, distinct pairs)."""
+def mixture_group(members, levels: int = LEVELS, box: tuple | None = None) -> MixtureGroup:
+    """The :class:`MixtureGroup` of ``members`` (``(sigma, q, count)``, distinct pairs), on
+    the corners of ``box`` ``(sigma_lo, sigma_hi, q_lo, q_hi)`` (default: the members'
+    ranges; a box must hold every member)."""
     sigmas, rates, counts = (np.array(column) for column in zip(*members))
-    sigma_lo, sigma_hi, q_lo, q_hi = sigmas.min(), sigmas.max(), rates.min(), rates.max()
+    sigma_lo, sigma_hi, q_lo, q_hi = box or (sigmas.min(), sigmas.max(), rates.min(), rates.max())
+    if not (sigma_lo <= sigmas.min() and sigmas.max() <= sigma_hi and q_lo <= rates.min() and rates.max() <= q_hi):
+        raise ValueError("the box must hold every member")  # pragma: no cover - internal
     # Weights rounded up to multiples of 1 / levels, as integers: a row per distinct pair.
     v = np.ceil(rate_weights(rates, q_lo, q_hi) * levels).astype(np.int64)
     w = np.ceil(sigma_weights(sigmas, sigma_lo, sigma_hi) * levels).astype(np.int64)
@@ -126,7 +132,7 @@ def mixture_group(members, levels: int = LEVELS) -> MixtureGroup:
     row_counts = np.bincount(where.ravel(), weights=counts).astype(np.int64)
     v, w = (keys // (levels + 1)) / levels, (keys % (levels + 1)) / levels
     weights = np.stack([v * w, (1 - v) * w, v * (1 - w), (1 - v) * (1 - w)], axis=1)
-    anchors = [(sigma_lo, q_hi), (sigma_lo, q_lo), (sigma_hi, q_hi), (sigma_hi, q_lo)]
+    anchors = _corners((sigma_lo, sigma_hi, q_lo, q_hi))
     # An anchor no row uses, or one equal to another (a group of one sigma or one q), goes.
     kept: dict[tuple[float, float], int] = {}
     columns = []
@@ -146,20 +152,44 @@ def mixture_group(members, levels: int = LEVELS) -> MixtureGroup:
 def mixture_groups(members: tuple, max_transforms: int) -> tuple[MixtureGroup, ...]:
     """``members``, the groups :func:`~dpoptim.accounting.ledger.member_groups` forms (in
     order, each a tuple of ``(sigma, q, count)``), merged further into mixture groups of
-    at most ``max_transforms`` anchors in all: as many groups as fit, a quarter of the
-    limit at least (a group has four anchors at most). Neighbouring groups merge by the
-    same greedy as the grouping itself, on their corners."""
+    at most ``max_transforms`` distinct corners in all: as many groups as fit, a quarter
+    of the limit at least (a group has four corners at most). Neighbouring groups merge
+    by the same greedy as the grouping itself, on their corners; where one group ends
+    below and left of the next (a schedule raising sigma and q together), its box is
+    stretched to the next one's lowest corner, which the two then share (:func:`_boxes`),
+    so such a chain needs about three corners per group."""
     groups = max(1, max_transforms // 4)
-    best = None
-    while groups <= max_transforms:
-        built = tuple(mixture_group(m) for m in _merged(members, groups))
-        if best is not None and sum(len(g.anchors) for g in built) > max_transforms:
+    merged = _merged(members, groups)
+    boxes = _boxes(merged)
+    for _ in range(3):
+        corners = len({corner for box in boxes for corner in _corners(box)})
+        more = int((max_transforms - 1) * len(merged) / max(corners - 1, 1))
+        if len(merged) < groups or more <= groups:
+            break  # every group stays whole, or no more fit
+        candidate = _merged(members, more)
+        candidate_boxes = _boxes(candidate)
+        if len({corner for box in candidate_boxes for corner in _corners(box)}) > max_transforms:
             break
-        best = built
-        if len(built) < groups or 2 * sum(len(g.anchors) for g in built) > max_transforms:
-            break  # every group stays whole, or twice the groups would not fit
-        groups *= 2
-    return best
+        groups, merged, boxes = more, candidate, candidate_boxes
+    return tuple(mixture_group(m, box=box) for m, box in zip(merged, boxes))
+
+
+def _corners(box: tuple) -> tuple:
+    sigma_lo, sigma_hi, q_lo, q_hi = box
+    return (sigma_lo, q_hi), (sigma_lo, q_lo), (sigma_hi, q_hi), (sigma_hi, q_lo)
+
+
+def _boxes(merged: list) -> list[tuple]:
+    """Each group's box ``(sigma_lo, sigma_hi, q_lo, q_hi)``: its members' ranges, the top
+    stretched to the next group's lowest corner where that lies above and right of it."""
+    boxes = [(min(m[0] for m in group), max(m[0] for m in group), min(m[1] for m in group),
+              max(m[1] for m in group)) for group in merged]
+    for g in range(len(boxes) - 1):
+        sigma_lo, sigma_hi, q_lo, q_hi = boxes[g]
+        next_sigma, next_q = boxes[g + 1][0], boxes[g + 1][2]
+        if next_sigma >= sigma_hi and next_q >= q_hi and (next_sigma, next_q) != (sigma_hi, q_hi):
+            boxes[g] = (sigma_lo, next_sigma, q_lo, next_q)
+    return boxes
 
 
 def _merged(members: tuple, groups: int) -> list:

@@ -1583,9 +1583,14 @@ def _mixture_product(groups, direction, grid: _Grid, delta: float, dtype) -> tup
     transform is the mixture of theirs (:func:`_mixed_rows`) and its mass at +inf too.
     """
     spacing, n = grid.spacing, grid.n
-    anchors = tuple((sigma, q, group.corner[2]) for group in groups for sigma, q in group.anchors)
-    bottoms, tops = _tail_ends(anchors, spacing, grid.i_low, grid.i_low + n - 1, _TAIL_FRACTION * delta)
-    ends = list(zip(bottoms[direction], tops[direction]))
+    # An anchor shared by groups keeps its mass beyond its ends for all their steps.
+    uses: dict[tuple[float, float], int] = {}
+    for group in groups:
+        for anchor in group.anchors:
+            uses[anchor] = uses.get(anchor, 0) + group.corner[2]
+    bottoms, tops = _tail_ends(tuple((sigma, q, count) for (sigma, q), count in uses.items()), spacing, grid.i_low,
+                               grid.i_low + n - 1, _TAIL_FRACTION * delta)
+    ends = dict(zip(uses, zip(bottoms[direction], tops[direction])))
     spectra = _group_spectra(groups, ends, direction, grid, dtype)
     alive = min(prefixes.shape[1] for prefixes, _, _ in spectra)
     real = np.empty(0, dtype=dtype).real.dtype
@@ -1609,8 +1614,8 @@ def _mixture_product(groups, direction, grid: _Grid, delta: float, dtype) -> tup
     # one plus its size, far more than its rounding).
     tail = math.exp(min(cgf + 1e-12 * cgf_size - grid.tilt * top, 0.0)) if grid.tilt > 0 else 1.0
     if tail > grid.tail:
-        grids = [_step_distribution(sigma, q, direction, spacing, bottom, top)
-                 for (sigma, q, _), (bottom, top) in zip(anchors, ends)]
+        grids = [_step_distribution(sigma, q, direction, spacing, *ends[(sigma, q)])
+                 for group in groups for sigma, q in group.anchors]
         tail = min(tail, _mixture_tail(groups, grids, spacing, top))
     # Mixing adds at most 8 units to each entry (four products and sums, weights summing to 1).
     unit = float(np.finfo(dtype).eps) / 2
@@ -1642,11 +1647,11 @@ def _mixed_rows(group, parts: list, prefixes: np.ndarray, sums: list) -> tuple[n
     return log_norms, group.weights @ np.array([p_inf for p_inf, _ in parts])
 
 
-def _group_spectra(groups, ends: list, direction: str, grid: _Grid, dtype) -> list:
+def _group_spectra(groups, ends: dict, direction: str, grid: _Grid, dtype) -> list:
     """Per group ``(transforms, bound, parts)``: its anchors' transforms up to the frequency
     past which the group's composed transform is dead, a bound on every anchor's modulus
     past each frequency up to there, and per anchor ``(p_inf, log_mgf)`` of
-    :func:`_tilted`. ``ends`` holds each anchor's lowest and highest grid index.
+    :func:`_tilted`. ``ends`` maps each anchor to its lowest and highest grid index.
 
     A row's modulus is at most its anchors' largest (a mixture with weights summing to
     1), so the group's ``N`` steps compose to a modulus at most ``bound^N``: past the
@@ -1654,43 +1659,38 @@ def _group_spectra(groups, ends: list, direction: str, grid: _Grid, dtype) -> li
     Groups are cached like steps (:func:`_step_prefixes`): a ledger grown by a step
     usually changes one group, whose transforms alone are computed again.
     """
-    keys, start = [], 0
+    keys = []
     for group in groups:
-        supports = tuple(_support(sigma, q, direction, grid.spacing, *end)
-                         for (sigma, q), end in zip(group.anchors, ends[start:start + len(group.anchors)]))
+        supports = tuple(_support(sigma, q, direction, grid.spacing, *ends[(sigma, q)]) for sigma, q in group.anchors)
         keys.append(("mixture", group.anchors, group.corner[2], direction, grid.spacing, supports, grid.n,
                       grid.tilt, np.dtype(dtype).str))
-        start += len(group.anchors)
     with _prefix_lock:
         out = [_prefix_cache.pop(key, None) for key in keys]
-    missing, start = [], 0
-    for index, group in enumerate(groups):
-        if out[index] is None:
-            parts = [_tilted(*_step_distribution(sigma, q, direction, grid.spacing, *end), grid.spacing, grid.tilt)
-                     for (sigma, q), end in zip(group.anchors, ends[start:start + len(group.anchors)])]
-            missing.append((index, parts, group.corner[2]))
-        start += len(group.anchors)
-    for index, (transforms, bound), parts in _fft_groups(missing, grid.n, dtype):
+    missing = [(index, group) for index, group in enumerate(groups) if out[index] is None]
+    for index, (transforms, bound), parts in _fft_groups(missing, ends, direction, grid, dtype):
         out[index] = (transforms, bound, [(part[2], part[3]) for part in parts])
     _cache_put(keys, out)
     return out
 
 
-def _fft_groups(full: list, n: int, dtype):
+def _fft_groups(missing: list, ends: dict, direction: str, grid: _Grid, dtype):
     """``(index, (transforms, bound), anchors)`` of :func:`_group_spectra` for ``(index,
-    anchors, steps)`` triples (anchors as :func:`_tilted` gives them), by full
-    transforms, as many anchors at once as a batch holds."""
-    rows = max(4, _BATCH_POINTS // (n * np.dtype(dtype).itemsize // 8))
+    group)`` pairs (anchors as :func:`_tilted` gives them), by full transforms of as many
+    anchors at once as a batch holds, an anchor shared by groups of a batch once."""
+    n, rows = grid.n, max(4, _BATCH_POINTS // (grid.n * np.dtype(dtype).itemsize // 8))
     batch: list = []
-    for position, (index, parts, steps) in enumerate(full):
-        batch.append((index, parts, steps))
-        size = sum(len(p) for _, p, _ in batch)
-        if position + 1 < len(full) and size + len(full[position + 1][1]) <= rows:
+    for position, (index, group) in enumerate(missing):
+        batch.append((index, group))
+        unique = list(dict.fromkeys(anchor for _, g in batch for anchor in g.anchors))
+        if position + 1 < len(missing) and len(unique) + len(missing[position + 1][1].anchors) <= rows:
             continue
-        placed, spectra = _buffers(size, n, dtype)
+        tilted = {anchor: _tilted(*_step_distribution(*anchor, direction, grid.spacing, *ends[anchor]),
+                                  grid.spacing, grid.tilt) for anchor in unique}
+        placed, spectra = _buffers(len(unique), n, dtype)
         where = []
         try:
-            for row, (first, masses, _, _) in enumerate(part for _, p, _ in batch for part in p):
+            for row, anchor in enumerate(unique):
+                first, masses = tilted[anchor][:2]
                 where.append(_circular_slices(first % n, masses.size, n))
                 for columns, piece in where[-1]:
                     placed[row, columns] = masses[piece]
@@ -1699,20 +1699,20 @@ def _fft_groups(full: list, n: int, dtype):
             for row, pieces in enumerate(where):
                 for columns, _ in pieces:
                     placed[row, columns] = 0.0
-        row = 0
-        for index, parts, steps in batch:
-            yield index, _dead_prefix(spectra[row:row + len(parts)], steps), parts
-            row += len(parts)
+        for index, group in batch:
+            rows_of = [unique.index(anchor) for anchor in group.anchors]
+            yield index, _dead_prefix(spectra, rows_of, group.corner[2]), [tilted[a] for a in group.anchors]
         batch = []
 
 
-def _dead_prefix(anchors: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
-    """For :func:`_group_spectra`: the anchors' transforms up to the cut, and the bound
-    on their moduli past each frequency up to the cut (one more entry)."""
-    size = anchors.shape[1]
-    modulus = np.abs(anchors[0]).astype(np.float64)  # moduli, not their squares (subnormals are slow)
-    for row in anchors[1:]:
-        np.maximum(modulus, np.abs(row), out=modulus)
+def _dead_prefix(spectra: np.ndarray, rows: list, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """For :func:`_group_spectra`: the transforms in ``rows`` of ``spectra`` (a group's
+    anchors) up to the cut, and the bound on their moduli past each frequency up to the
+    cut (one more entry)."""
+    size = spectra.shape[1]
+    modulus = np.abs(spectra[rows[0]]).astype(np.float64)  # moduli, not their squares (subnormals are slow)
+    for row in rows[1:]:
+        np.maximum(modulus, np.abs(spectra[row]), out=modulus)
     live = np.flatnonzero(modulus > math.exp(-_DEAD / steps)) if steps > 1 else [size - 1]
     cut = int(live[-1]) + 1 if len(live) else 0
     beyond = float(modulus[cut:].max()) if cut < size else 0.0
@@ -1720,7 +1720,7 @@ def _dead_prefix(anchors: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarra
         cut, beyond = size, 0.0  # rounding at the threshold: keep everything
     head = modulus[:cut + 1] if cut < size else modulus
     bound = np.maximum(np.maximum.accumulate(head[::-1])[::-1], beyond)
-    return anchors[:, :max(cut, 1)].copy(), bound
+    return spectra[rows, :max(cut, 1)], bound
 
 
 #: Exponents of the Chernoff certificate of :func:`_mixture_tail` (narrow distributions
