@@ -1592,21 +1592,25 @@ def _mixture_product(groups, direction, grid: _Grid, delta: float, dtype) -> tup
                                grid.i_low + n - 1, _TAIL_FRACTION * delta)
     ends = dict(zip(uses, zip(bottoms[direction], tops[direction])))
     spectra = _group_spectra(groups, ends, direction, grid, dtype)
-    alive = min(prefixes.shape[1] for prefixes, _, _ in spectra)
+    alive = min(prefixes.shape[1] for _, prefixes, _, _ in spectra)
     real = np.empty(0, dtype=dtype).real.dtype
     sums = [np.zeros(alive, dtype=real), np.zeros(alive, dtype=real), np.zeros(alive)]
     cgf = log_finite = cgf_size = 0.0
     dead_log_weight = -math.inf if alive == n // 2 + 1 else 0.0
-    for group, (prefixes, bound, parts) in zip(groups, spectra):
-        log_norms, p_inf = _mixed_rows(group, parts, prefixes[:, :alive], sums)
-        counts = np.array(group.counts, dtype=float)
-        cgf += float(counts @ log_norms)
-        cgf_size += float(counts @ (1.0 + np.abs(log_norms)))
-        log_finite += float(counts @ np.log1p(-np.minimum(p_inf, 1.0)))
+    keys = [("rows", key, alive) for key, _, _, _ in spectra]
+    with _prefix_lock:
+        rows = [_prefix_cache.pop(key, None) for key in keys]
+    for index, (group, (_, prefixes, bound, parts)) in enumerate(zip(groups, spectra)):
+        if rows[index] is None:  # the group's rows on the live frequencies, kept for a ledger grown by a step
+            rows[index] = _mixed_rows(group, parts, prefixes[:, :alive])
+        for total, part in zip(sums, rows[index][:3]):
+            total += part
+        cgf, cgf_size, log_finite = (a + b for a, b in zip((cgf, cgf_size, log_finite), rows[index][3:]))
         if alive < bound.size:
             # Past ``alive`` every row's modulus is at most the bound (a mixture of the anchors').
             with np.errstate(divide="ignore"):
-                dead_log_weight = min(dead_log_weight, (counts - 1.0).sum() * math.log(bound[alive]))
+                dead_log_weight = min(dead_log_weight, (sum(group.counts) - len(group.counts)) * math.log(bound[alive]))
+    _cache_put(keys, rows)
     total = sum(sum(group.counts) for group in groups)
     top = (grid.i_low + n) * spacing
     # Chernoff at the tilt: the rows' normalisations are their moment generating
@@ -1617,38 +1621,48 @@ def _mixture_product(groups, direction, grid: _Grid, delta: float, dtype) -> tup
         grids = [_step_distribution(sigma, q, direction, spacing, *ends[(sigma, q)])
                  for group in groups for sigma, q in group.anchors]
         tail = min(tail, _mixture_tail(groups, grids, spacing, top))
-    # Mixing adds at most 8 units to each entry (four products and sums, weights summing to 1).
+    # Mixing adds at most 8 units to each entry (four products and sums, weights summing to
+    # 1); summing the rows' logarithms (at most 745 in all where the product is not zero)
+    # and their angles (each below 2 pi) pairwise, then the groups', adds at most what
+    # the last term spreads over the steps.
     unit = float(np.finfo(dtype).eps) / 2
+    count = sum(len(group.counts) for group in groups)
+    summing = (745.0 + 2.0 * math.pi * count) * math.log2(count + len(groups) + 1) * unit / max(total, 1)
     product = _Product(_polar(sums[0], sums[1]), sums[2], dead_log_weight, log_finite, cgf, total,
-                       4.0 * unit * math.log2(n) + 8.0 * unit)
+                       4.0 * unit * math.log2(n) + 8.0 * unit + summing)
     return product, tail
 
 
-def _mixed_rows(group, parts: list, prefixes: np.ndarray, sums: list) -> tuple[np.ndarray, np.ndarray]:
-    """Add a group's rows to ``sums`` (of ``count * log|F|``, of ``count * angle F`` mod 2 pi
-    and of ``(count - 1) * log|F|``, as :func:`_product` does) and return each row's log
-    normalisation and mass at +inf. ``parts`` holds the anchors' ``(p_inf, log_mgf)`` of
-    :func:`_tilted`, ``prefixes`` their transforms. Row ``r`` mixes the anchors' finite masses with its weights ``w_c``,
-    so its tilted transform mixes theirs with ``w_c M_c / sum_c w_c M_c``."""
+def _mixed_rows(group, parts: list, prefixes: np.ndarray) -> tuple:
+    """A group's rows on the frequencies of ``prefixes`` (the anchors' transforms there):
+    the sums over its rows of ``count * log|F|``, of ``count * angle F`` mod 2 pi and of
+    ``(count - 1) * log|F|`` (as :func:`_product` forms them), and its terms of the
+    composed log normalisation, of its rounding margin and of the log chance of finite
+    losses. ``parts`` holds the anchors' ``(p_inf, log_mgf)`` of :func:`_tilted`. Row
+    ``r`` mixes the anchors' finite masses with its weights ``w_c``, so its tilted
+    transform mixes theirs with ``w_c M_c / sum_c w_c M_c``. Sums over rows run along a
+    contiguous axis, pairwise."""
     with np.errstate(divide="ignore"):
         log_terms = np.log(group.weights) + np.array([log_mgf for _, log_mgf in parts])
     peak = log_terms.max(axis=1, keepdims=True)
     log_norms = peak[:, 0] + np.log(np.exp(log_terms - peak).sum(axis=1))
     shares = np.exp(log_terms - log_norms[:, None]).astype(prefixes.real.dtype)
-    mixed = shares[:, :1] * prefixes[0]  # at most four anchors: sums, not a matrix product
+    mixed = np.outer(prefixes[0], shares[:, 0])  # frequencies by rows; at most four anchors
     for c in range(1, prefixes.shape[0]):
-        mixed += shares[:, c:c + 1] * prefixes[c]
-    counts = np.array(group.counts, dtype=float)[:, None]
+        mixed += np.outer(prefixes[c], shares[:, c])
+    counts = np.array(group.counts, dtype=float)
     with np.errstate(divide="ignore"):
         log_modulus = np.log(np.abs(mixed))
-    sums[0] += (counts.astype(sums[0].dtype) * log_modulus).sum(axis=0)
-    sums[1] += np.remainder(counts * np.angle(mixed), 2.0 * math.pi).sum(axis=0)
-    sums[2] += ((counts - 1.0) * log_modulus).sum(axis=0, dtype=np.float64)
-    return log_norms, group.weights @ np.array([p_inf for p_inf, _ in parts])
+    sums = ((log_modulus * counts.astype(log_modulus.dtype)).sum(axis=1),
+            np.remainder(np.angle(mixed) * counts, 2.0 * math.pi).sum(axis=1),
+            (log_modulus * (counts - 1.0)).sum(axis=1, dtype=np.float64))
+    p_inf = group.weights @ np.array([p_inf for p_inf, _ in parts])
+    return (*sums, float(counts @ log_norms), float(counts @ (1.0 + np.abs(log_norms))),
+            float(counts @ np.log1p(-np.minimum(p_inf, 1.0))))
 
 
 def _group_spectra(groups, ends: dict, direction: str, grid: _Grid, dtype) -> list:
-    """Per group ``(transforms, bound, parts)``: its anchors' transforms up to the frequency
+    """Per group ``(key, transforms, bound, parts)``: its cache key, its anchors' transforms up to the frequency
     past which the group's composed transform is dead, a bound on every anchor's modulus
     past each frequency up to there, and per anchor ``(p_inf, log_mgf)`` of
     :func:`_tilted`. ``ends`` maps each anchor to its lowest and highest grid index.
@@ -1670,7 +1684,7 @@ def _group_spectra(groups, ends: dict, direction: str, grid: _Grid, dtype) -> li
     for index, (transforms, bound), parts in _fft_groups(missing, ends, direction, grid, dtype):
         out[index] = (transforms, bound, [(part[2], part[3]) for part in parts])
     _cache_put(keys, out)
-    return out
+    return [(key, *entry) for key, entry in zip(keys, out)]
 
 
 def _fft_groups(missing: list, ends: dict, direction: str, grid: _Grid, dtype):
