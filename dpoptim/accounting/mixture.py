@@ -205,7 +205,7 @@ def _merged(members: tuple, groups: int) -> list:
     return out
 
 
-def better_than_corners(groups: tuple, runs: tuple, corners: list) -> bool:
+def better_than_corners(groups: tuple, corners: list) -> bool:
     """Whether ``groups`` cost less than ``corners`` (each of its own group's steps at its
     smallest sigma and largest q), by the grouping's proxy: the order-2 Renyi divergence
     per step (a revealed-coin mixture's is ``log sum_c w_c e^{D_c}``). The corners win
