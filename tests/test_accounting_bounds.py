@@ -443,6 +443,28 @@ def test_mixture_groups_are_cached_and_redone_in_extended_precision(monkeypatch)
     assert upper <= grown and len(set(transformed)) == 1
 
 
+def test_cached_mixture_rows_belong_to_their_own_group(monkeypatch):
+    # Two ledgers whose single group has the same corners and steps but its steps spread
+    # over its pairs differently: the rows of one must never stand in for the other's
+    # (they did, from the cache, and in one order under-reported epsilon).
+    from dpoptim.accounting import pld as pld_module
+
+    monkeypatch.setattr(pld_module, "better_than_corners", lambda *args: True)  # mixtures even here
+    even = [(1.0 + 0.1 * i, 0.01 * (1 + 0.1 * i), 100) for i in range(5)]
+    skewed = [(sigma, q, count) for (sigma, q, _), count in zip(even, [180, 100, 100, 100, 20])]
+    fresh = {}
+    for runs in (even, skewed):
+        pld_module._prefix_cache.clear()
+        pld_module._pld_epsilon.cache_clear()
+        fresh[len(fresh)] = pld_epsilon(runs, DELTA, max_groups=4)
+    assert fresh[0] != fresh[1]
+    for order in ((0, 1), (1, 0)):
+        pld_module._prefix_cache.clear()
+        pld_module._pld_epsilon.cache_clear()
+        for which in order:
+            assert pld_epsilon((even, skewed)[which], DELTA, max_groups=4) == fresh[which]
+
+
 # --- calibration edges ------------------------------------------------------------------
 
 

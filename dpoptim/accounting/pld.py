@@ -1597,7 +1597,8 @@ def _mixture_product(groups, direction, grid: _Grid, delta: float, dtype) -> tup
     sums = [np.zeros(alive, dtype=real), np.zeros(alive, dtype=real), np.zeros(alive)]
     cgf = log_finite = cgf_size = 0.0
     dead_log_weight = -math.inf if alive == n // 2 + 1 else 0.0
-    keys = [("rows", key, alive) for key, _, _, _ in spectra]
+    # The rows depend on the group's weights and counts, which its transforms' key omits.
+    keys = [("rows", key, alive, group.counts, group.weights.tobytes()) for group, (key, _, _, _) in zip(groups, spectra)]
     with _prefix_lock:
         rows = [_prefix_cache.pop(key, None) for key in keys]
     for index, (group, (_, prefixes, bound, parts)) in enumerate(zip(groups, spectra)):
