@@ -276,7 +276,8 @@ def _grouped(subsampled: list, max_groups: int | None, mu: float, lower: bool) -
     mixture = None
     if not lower and len({run[:2] for run in runs}) > limit:
         mixture = mixture_groups(member_groups(runs, limit, False)[1], limit)  # coarsen_runs' groups, cached
-        if not better_than_corners(mixture, steps):
+        corners = len({anchor for group in mixture for anchor in group.anchors})
+        if corners > limit or not better_than_corners(mixture, steps):  # a limit below 4 fits no box
             mixture = None
     if mixture is None:
         return steps + [(1.0 / mu, 1.0, 1)] if mu > 0 else steps, None
