@@ -1343,21 +1343,10 @@ def _prefix_key(item, n, tilt, dtype, optimistic) -> tuple:
 
 def _transform_batch(items, n: int, tilt: float, dtype, optimistic: bool) -> list:
     """The entries of :func:`_step_prefixes` for ``items``, by one 2-D transform."""
-    placed, spectra = _buffers(len(items), n, dtype)
-    rest, where = [], []
-    try:
-        for row, (sigma, q, direction, spacing, i_low, i_high, _) in enumerate(items):
-            first, tilted, p_inf, log_mgf = _tilted_step(sigma, q, direction, spacing, i_low, i_high, tilt,
-                                                         optimistic)
-            where.append(_circular_slices(first % n, tilted.size, n))  # i_high - i_low < n
-            for columns, part in where[-1]:
-                placed[row, columns] = tilted[part]
-            rest.append((p_inf, log_mgf))
-        np.fft.rfft(placed, axis=1, out=spectra)
-    finally:
-        for row, pieces in enumerate(where):
-            for columns, _ in pieces:
-                placed[row, columns] = 0.0  # the buffer is all zeros again for the next batch, whatever happened
+    steps = [_tilted_step(sigma, q, direction, spacing, i_low, i_high, tilt, optimistic)
+             for sigma, q, direction, spacing, i_low, i_high, _ in items]
+    spectra = _placed_transform([step[:2] for step in steps], n, dtype)
+    rest = [step[2:] for step in steps]
     counts = np.array([item[-1] for item in items])
     entries = []
     for row, (cut, log_beyond) in enumerate(_dead_cuts(spectra, counts)):
@@ -1365,6 +1354,25 @@ def _transform_batch(items, n: int, tilt: float, dtype, optimistic: bool) -> lis
         prefix.setflags(write=False)
         entries.append((prefix, log_beyond, *rest[row]))
     return entries
+
+
+def _placed_transform(rows: list, n: int, dtype) -> np.ndarray:
+    """The rfft of each ``(first, masses)`` placed at index ``first`` mod ``n`` (a support
+    shorter than ``n``), as one 2-D transform into the thread's buffers (valid until the
+    next call); the input buffer is all zeros again afterwards, whatever happened."""
+    placed, spectra = _buffers(len(rows), n, dtype)
+    where = []
+    try:
+        for row, (first, masses) in enumerate(rows):
+            where.append(_circular_slices(first % n, masses.size, n))
+            for columns, part in where[-1]:
+                placed[row, columns] = masses[part]
+        np.fft.rfft(placed, axis=1, out=spectra)
+    finally:
+        for row, pieces in enumerate(where):
+            for columns, _ in pieces:
+                placed[row, columns] = 0.0
+    return spectra
 
 
 def _circular_slices(start: int, size: int, n: int) -> list[tuple[slice, slice]]:
@@ -1702,19 +1710,7 @@ def _fft_groups(missing: list, ends: dict, direction: str, grid: _Grid, dtype):
             continue
         tilted = {anchor: _tilted(*_step_distribution(*anchor, direction, grid.spacing, *ends[anchor]),
                                   grid.spacing, grid.tilt) for anchor in unique}
-        placed, spectra = _buffers(len(unique), n, dtype)
-        where = []
-        try:
-            for row, anchor in enumerate(unique):
-                first, masses = tilted[anchor][:2]
-                where.append(_circular_slices(first % n, masses.size, n))
-                for columns, piece in where[-1]:
-                    placed[row, columns] = masses[piece]
-            np.fft.rfft(placed, axis=1, out=spectra)
-        finally:
-            for row, pieces in enumerate(where):
-                for columns, _ in pieces:
-                    placed[row, columns] = 0.0
+        spectra = _placed_transform([tilted[anchor][:2] for anchor in unique], n, dtype)
         for index, group in batch:
             rows_of = [unique.index(anchor) for anchor in group.anchors]
             yield index, _dead_prefix(spectra, rows_of, group.corner[2]), [tilted[a] for a in group.anchors]
