@@ -443,6 +443,31 @@ def test_mixture_groups_are_cached_and_redone_in_extended_precision(monkeypatch)
     assert upper <= grown and len(set(transformed)) == 1
 
 
+def test_the_mixture_tail_certificate_bounds_the_exact_composed_tail():
+    # The fallback certificate of the window's top (used where the tilt gives none):
+    # against the exact composition of the rows' grid distributions, by convolution.
+    from dpoptim.accounting import pld as pld_module
+    from dpoptim.accounting.mixture import MixtureGroup
+
+    spacing = 2.0**-4
+    group = MixtureGroup(((1.0, 0.2), (1.5, 0.2)), np.array([[0.25, 0.75], [1.0, 0.0]]), (3, 2), (1.0, 0.2, 5))
+    grids = [pld_module._step_distribution(sigma, q, "remove", spacing, -200, 400) for sigma, q in group.anchors]
+    composed = np.array([1.0])
+    for weights, count in zip(group.weights, group.counts):
+        row = np.zeros(max(first + masses.size for first, masses, _ in grids) - min(g[0] for g in grids))
+        low = min(g[0] for g in grids)
+        for w, (first, masses, _) in zip(weights, grids):
+            row[first - low:first - low + masses.size] += w * masses
+        for _ in range(count):
+            composed = np.convolve(composed, row)
+    offset = sum(count for count in group.counts) * min(g[0] for g in grids)
+    for top in (0.5, 1.0, 2.0, 3.0):
+        exact = composed[np.arange(composed.size) + offset >= math.ceil(top / spacing - 1e-9)].sum()
+        bound = pld_module._mixture_tail((group,), grids, spacing, top)
+        assert exact <= bound <= 1.0, (top, exact, bound)
+    assert pld_module._mixture_tail((group,), grids, spacing, 3.0) < 1e-2  # and not trivially 1
+
+
 def test_cached_mixture_rows_belong_to_their_own_group(monkeypatch):
     # Two ledgers whose single group has the same corners and steps but its steps spread
     # over its pairs differently: the rows of one must never stand in for the other's

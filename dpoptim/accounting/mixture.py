@@ -219,5 +219,6 @@ def better_than_corners(groups: tuple, corners: list) -> bool:
         with np.errstate(divide="ignore"):
             terms = np.log(group.weights) + _step_costs(sigmas, rates)
         peak = terms.max(axis=1, keepdims=True)
-        mixture_cost += float(np.array(group.counts, dtype=float) @ (peak[:, 0] + np.log(np.exp(terms - peak).sum(axis=1))))
+        rows = peak[:, 0] + np.log(np.exp(terms - peak).sum(axis=1))
+        mixture_cost += float(np.array(group.counts, dtype=float) @ rows)
     return mixture_cost < corner_cost

@@ -1587,19 +1587,13 @@ def _mixture_product(groups, direction, grid: _Grid, delta: float, dtype) -> tup
     was certified for the groups' corners).
 
     Each anchor is discretised like a step (connect-the-dots, ends by :func:`_tail_ends`
-    with its group's step count) and transformed once (:func:`_group_spectra`); a row's
-    distribution is the mixture of its anchors' with the row's weights, so its tilted
-    transform is the mixture of theirs (:func:`_mixed_rows`) and its mass at +inf too.
+    with the steps of every group using it) and transformed once
+    (:func:`_group_spectra`); a row's distribution is the mixture of its anchors' with the
+    row's weights, so its tilted transform is the mixture of theirs (:func:`_mixed_rows`)
+    and its mass at +inf too.
     """
     spacing, n = grid.spacing, grid.n
-    # An anchor shared by groups keeps its mass beyond its ends for all their steps.
-    uses: dict[tuple[float, float], int] = {}
-    for group in groups:
-        for anchor in group.anchors:
-            uses[anchor] = uses.get(anchor, 0) + group.corner[2]
-    bottoms, tops = _tail_ends(tuple((sigma, q, count) for (sigma, q), count in uses.items()), spacing, grid.i_low,
-                               grid.i_low + n - 1, _TAIL_FRACTION * delta)
-    ends = dict(zip(uses, zip(bottoms[direction], tops[direction])))
+    ends = _anchor_ends(groups, direction, grid, delta)
     spectra = _group_spectra(groups, ends, direction, grid, dtype)
     alive = min(prefixes.shape[1] for _, prefixes, _, _ in spectra)
     real = np.empty(0, dtype=dtype).real.dtype
@@ -1607,7 +1601,8 @@ def _mixture_product(groups, direction, grid: _Grid, delta: float, dtype) -> tup
     cgf = log_finite = cgf_size = 0.0
     dead_log_weight = -math.inf if alive == n // 2 + 1 else 0.0
     # The rows depend on the group's weights and counts, which its transforms' key omits.
-    keys = [("rows", key, alive, group.counts, group.weights.tobytes()) for group, (key, _, _, _) in zip(groups, spectra)]
+    keys = [("rows", key, alive, group.counts, group.weights.tobytes())
+            for group, (key, _, _, _) in zip(groups, spectra)]
     with _prefix_lock:
         rows = [_prefix_cache.pop(key, None) for key in keys]
     for index, (group, (_, prefixes, bound, parts)) in enumerate(zip(groups, spectra)):
@@ -1643,6 +1638,18 @@ def _mixture_product(groups, direction, grid: _Grid, delta: float, dtype) -> tup
     return product, tail
 
 
+def _anchor_ends(groups, direction: str, grid: _Grid, delta: float) -> dict:
+    """Each anchor's lowest and highest grid index (:func:`_tail_ends`), its mass beyond
+    them budgeted over the steps of every group that uses it."""
+    uses: dict[tuple[float, float], int] = {}
+    for group in groups:
+        for anchor in group.anchors:
+            uses[anchor] = uses.get(anchor, 0) + group.corner[2]
+    bottoms, tops = _tail_ends(tuple((sigma, q, count) for (sigma, q), count in uses.items()), grid.spacing,
+                               grid.i_low, grid.i_low + grid.n - 1, _TAIL_FRACTION * delta)
+    return dict(zip(uses, zip(bottoms[direction], tops[direction])))
+
+
 def _mixed_rows(group, parts: list, prefixes: np.ndarray) -> tuple:
     """A group's rows on the frequencies of ``prefixes`` (the anchors' transforms there):
     the sums over its rows of ``count * log|F|``, of ``count * angle F`` mod 2 pi and of
@@ -1672,10 +1679,11 @@ def _mixed_rows(group, parts: list, prefixes: np.ndarray) -> tuple:
 
 
 def _group_spectra(groups, ends: dict, direction: str, grid: _Grid, dtype) -> list:
-    """Per group ``(key, transforms, bound, parts)``: its cache key, its anchors' transforms up to the frequency
-    past which the group's composed transform is dead, a bound on every anchor's modulus
-    past each frequency up to there, and per anchor ``(p_inf, log_mgf)`` of
-    :func:`_tilted`. ``ends`` maps each anchor to its lowest and highest grid index.
+    """Per group ``(key, transforms, bound, parts)``: its cache key, its anchors'
+    transforms up to the frequency past which the group's composed transform is dead, a
+    bound on every anchor's modulus past each frequency up to there, and per anchor
+    ``(p_inf, log_mgf)`` of :func:`_tilted`. ``ends`` maps each anchor to its lowest and
+    highest grid index.
 
     A row's modulus is at most its anchors' largest (a mixture with weights summing to
     1), so the group's ``N`` steps compose to a modulus at most ``bound^N``: past the
