@@ -275,8 +275,16 @@ def member_groups(runs: tuple, max_distinct: int, optimistic: bool = False) -> t
 
 
 def _step_cost(sigma: float, q: float) -> float:
-    """:func:`_step_costs` of one pair."""
-    return float(_step_costs(np.float64(sigma), np.float64(q)))
+    """:func:`_step_costs` of one pair, in scalar arithmetic (the greedy merge's inner loop
+    calls it a few thousand times; numpy's per-call cost would dominate)."""
+    square = float(sigma) * float(sigma)
+    exponent = 1.0 / square if square > 1.0 / _LARGEST_EXPONENT else _LARGEST_EXPONENT
+    if q <= 0.0:
+        return 0.0
+    log_chi_square = 2.0 * math.log(q) + exponent + math.log(-math.expm1(-exponent))
+    if log_chi_square > 0.0:
+        return log_chi_square + math.log1p(math.exp(-log_chi_square))
+    return math.log1p(math.exp(log_chi_square))
 
 
 def _step_costs(sigma: np.ndarray, q: np.ndarray) -> np.ndarray:

@@ -124,6 +124,7 @@ import numpy as np
 
 from .. import background
 from . import ledger as ledger_module
+from . import lowfreq
 from .gaussian import (
     gaussian_epsilon,
     gaussian_mu,
@@ -966,7 +967,7 @@ def _log_mgf(first: int, masses: np.ndarray, spacing: float, lambdas: np.ndarray
     if blocked.any():
         rates = lambdas[blocked] * spacing
         factors = np.exp(np.outer(np.arange(_MGF_BLOCK) - centre, rates))
-        sums = (padded[rows] / largest[rows, None]) @ factors
+        sums = np.einsum("bi,il->bl", padded[rows] / largest[rows, None], factors)
         centres = first + start + rows * _MGF_BLOCK + centre
         with np.errstate(divide="ignore"):
             terms = np.log(sums) + np.log(largest[rows])[:, None] + np.outer(centres, rates)
@@ -1594,27 +1595,26 @@ def _mixture_product(groups, direction, grid: _Grid, delta: float, dtype) -> tup
     """
     spacing, n = grid.spacing, grid.n
     ends = _anchor_ends(groups, direction, grid, delta)
-    spectra = _group_spectra(groups, ends, direction, grid, dtype)
-    alive = min(prefixes.shape[1] for _, prefixes, _, _ in spectra)
+    spectra, alive = _group_spectra(groups, ends, direction, grid, dtype)
     real = np.empty(0, dtype=dtype).real.dtype
     sums = [np.zeros(alive, dtype=real), np.zeros(alive, dtype=real), np.zeros(alive)]
     cgf = log_finite = cgf_size = 0.0
     dead_log_weight = -math.inf if alive == n // 2 + 1 else 0.0
     # The rows depend on the group's weights and counts, which its transforms' key omits.
     keys = [("rows", key, alive, group.counts, group.weights.tobytes())
-            for group, (key, _, _, _) in zip(groups, spectra)]
+            for group, (key, _, _, _, _) in zip(groups, spectra)]
     with _prefix_lock:
         rows = [_prefix_cache.pop(key, None) for key in keys]
-    for index, (group, (_, prefixes, bound, parts)) in enumerate(zip(groups, spectra)):
+    for index, (group, (_, prefixes, dead, parts, _)) in enumerate(zip(groups, spectra)):
         if rows[index] is None:  # the group's rows on the live frequencies, kept for a ledger grown by a step
             rows[index] = _mixed_rows(group, parts, prefixes[:, :alive])
         for total, part in zip(sums, rows[index][:3]):
             total += part
         cgf, cgf_size, log_finite = (a + b for a, b in zip((cgf, cgf_size, log_finite), rows[index][3:]))
-        if alive < bound.size:
+        if alive < n // 2 + 1:
             # Past ``alive`` every row's modulus is at most the bound (a mixture of the anchors').
             with np.errstate(divide="ignore"):
-                dead_log_weight = min(dead_log_weight, (sum(group.counts) - len(group.counts)) * math.log(bound[alive]))
+                dead_log_weight = min(dead_log_weight, (sum(group.counts) - len(group.counts)) * math.log(dead.at(alive)))
     _cache_put(keys, rows)
     total = sum(sum(group.counts) for group in groups)
     top = (grid.i_low + n) * spacing
@@ -1626,15 +1626,17 @@ def _mixture_product(groups, direction, grid: _Grid, delta: float, dtype) -> tup
         grids = [_step_distribution(sigma, q, direction, spacing, *ends[(sigma, q)])
                  for group in groups for sigma, q in group.anchors]
         tail = min(tail, _mixture_tail(groups, grids, spacing, top))
-    # Mixing adds at most 8 units to each entry (four products and sums, weights summing to
-    # 1); summing the rows' logarithms (at most 745 in all where the product is not zero)
-    # and their angles (each below 2 pi) pairwise, then the groups', adds at most what
-    # the last term spreads over the steps.
+    # The anchors' transforms err by at most ``transform`` each (an FFT's, or the direct
+    # sums' of :mod:`.lowfreq`); mixing adds at most 8 units to each entry (four products
+    # and sums, weights summing to 1), its logarithm and angle 8 more; summing the rows' logarithms (at most 745 in all
+    # where the product is not zero) and their angles (each below 2 pi) pairwise, then the
+    # groups', adds at most what the last term spreads over the steps.
     unit = float(np.finfo(dtype).eps) / 2
+    transform = max(entry[4] for entry in spectra)
     count = sum(len(group.counts) for group in groups)
     summing = (745.0 + 2.0 * math.pi * count) * math.log2(count + len(groups) + 1) * unit / max(total, 1)
     product = _Product(_polar(sums[0], sums[1]), sums[2], dead_log_weight, log_finite, cgf, total,
-                       4.0 * unit * math.log2(n) + 8.0 * unit + summing)
+                       transform + 16.0 * unit + summing)
     return product, tail
 
 
@@ -1657,39 +1659,48 @@ def _mixed_rows(group, parts: list, prefixes: np.ndarray) -> tuple:
     composed log normalisation, of its rounding margin and of the log chance of finite
     losses. ``parts`` holds the anchors' ``(p_inf, log_mgf)`` of :func:`_tilted`. Row
     ``r`` mixes the anchors' finite masses with its weights ``w_c``, so its tilted
-    transform mixes theirs with ``w_c M_c / sum_c w_c M_c``. Sums over rows run along a
-    contiguous axis, pairwise."""
+    transform mixes theirs with ``w_c M_c / sum_c w_c M_c`` (one matrix product per part).
+    Angles come from ``arctan(Im / Re)``, plus pi where ``Re < 0`` (the same mod 2 pi),
+    twice as fast as ``arctan2``; each ``count * angle`` is reduced mod 2 pi before the
+    sums, which run along a contiguous axis, pairwise."""
     with np.errstate(divide="ignore"):
         log_terms = np.log(group.weights) + np.array([log_mgf for _, log_mgf in parts])
     peak = log_terms.max(axis=1, keepdims=True)
     log_norms = peak[:, 0] + np.log(np.exp(log_terms - peak).sum(axis=1))
     shares = np.exp(log_terms - log_norms[:, None]).astype(prefixes.real.dtype)
-    mixed = np.outer(prefixes[0], shares[:, 0])  # frequencies by rows; at most four anchors
-    for c in range(1, prefixes.shape[0]):
-        mixed += np.outer(prefixes[c], shares[:, c])
+    real = np.einsum("ca,rc->ar", prefixes.real, shares)  # frequencies by rows; at most four anchors
+    imag = np.einsum("ca,rc->ar", prefixes.imag, shares)
     counts = np.array(group.counts, dtype=float)
-    with np.errstate(divide="ignore"):
-        log_modulus = np.log(np.abs(mixed))
-    sums = ((log_modulus * counts.astype(log_modulus.dtype)).sum(axis=1),
-            np.remainder(np.angle(mixed) * counts, 2.0 * math.pi).sum(axis=1),
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_modulus = np.log(np.hypot(real, imag))
+        angle = np.arctan(imag / real)
+    angle[real < 0] += math.pi
+    angle[np.isnan(angle)] = 0.0  # a zero entry: its logarithm, -inf, makes the product zero
+    angle *= counts.astype(angle.dtype)
+    angle -= (2.0 * math.pi) * np.rint(angle / (2.0 * math.pi))
+    sums = ((log_modulus * counts.astype(log_modulus.dtype)).sum(axis=1), angle.sum(axis=1),
             (log_modulus * (counts - 1.0)).sum(axis=1, dtype=np.float64))
     p_inf = group.weights @ np.array([p_inf for p_inf, _ in parts])
     return (*sums, float(counts @ log_norms), float(counts @ (1.0 + np.abs(log_norms))),
             float(counts @ np.log1p(-np.minimum(p_inf, 1.0))))
 
 
-def _group_spectra(groups, ends: dict, direction: str, grid: _Grid, dtype) -> list:
-    """Per group ``(key, transforms, bound, parts)``: its cache key, its anchors'
-    transforms up to the frequency past which the group's composed transform is dead, a
-    bound on every anchor's modulus past each frequency up to there, and per anchor
-    ``(p_inf, log_mgf)`` of :func:`_tilted`. ``ends`` maps each anchor to its lowest and
-    highest grid index.
+def _group_spectra(groups, ends: dict, direction: str, grid: _Grid, dtype) -> tuple[list, int]:
+    """``(entries, alive)``: per group ``(key, transforms, dead, parts, error)``, its cache
+    key, its anchors' transforms up to at least ``alive``, its
+    :class:`~.lowfreq.DeadBound`, per anchor ``(p_inf, log_mgf)`` of :func:`_tilted` and
+    the transforms' entrywise error bound; and ``alive``, the first frequency past which
+    the composed transform is dead. ``ends`` maps each anchor to its lowest and highest
+    grid index.
 
     A row's modulus is at most its anchors' largest (a mixture with weights summing to
     1), so the group's ``N`` steps compose to a modulus at most ``bound^N``: past the
-    first frequency where that is at most e^-_DEAD, the composed transform is zero.
-    Groups are cached like steps (:func:`_step_prefixes`): a ledger grown by a step
-    usually changes one group, whose transforms alone are computed again.
+    first frequency where that is at most e^-_DEAD for one group, the composed transform
+    is zero. Where the anchors are narrow, that frequency is certified from coarse
+    samples and the anchors are summed directly up to the smallest over the groups
+    (:mod:`.lowfreq`), else each group's anchors are transformed in full. Groups are
+    cached like steps (:func:`_step_prefixes`): a ledger grown by a step usually changes
+    one group, whose transforms alone are computed again.
     """
     keys = []
     for group in groups:
@@ -1698,37 +1709,82 @@ def _group_spectra(groups, ends: dict, direction: str, grid: _Grid, dtype) -> li
                       grid.tilt, np.dtype(dtype).str))
     with _prefix_lock:
         out = [_prefix_cache.pop(key, None) for key in keys]
-    missing = [(index, group) for index, group in enumerate(groups) if out[index] is None]
-    for index, (transforms, bound), parts in _fft_groups(missing, ends, direction, grid, dtype):
-        out[index] = (transforms, bound, [(part[2], part[3]) for part in parts])
+    tilted: dict = {}
+
+    def anchor(key):
+        if key not in tilted:
+            tilted[key] = _tilted(*_step_distribution(*key, direction, grid.spacing, *ends[key]),
+                                  grid.spacing, grid.tilt)
+        return tilted[key]
+
+    missing = [index for index, entry in enumerate(out) if entry is None]
+    sampled = _sampled_groups([groups[index] for index in missing], anchor, grid.n, dtype)
+    if sampled is None:
+        _fft_groups(out, [(index, groups[index]) for index in missing], anchor, grid, dtype)
+    else:
+        for index, dead in zip(missing, sampled):
+            out[index] = (np.empty((len(groups[index].anchors), 0), dtype=np.complex128), dead, None, 0.0)
+    alive = min(entry[1].end for entry in out)
+    short = [(index, groups[index]) for index, entry in enumerate(out) if entry[0].shape[1] < alive]
+    if short:
+        unique = list(dict.fromkeys(key for _, group in short for key in group.anchors))
+        rows = [anchor(key)[:2] for key in unique]
+        if lowfreq.direct_pays(rows, grid.n, alive):
+            spectra, error = lowfreq.low_transform(rows, grid.n, alive)
+            for index, group in short:
+                transforms = spectra[[unique.index(key) for key in group.anchors]]
+                dead = out[index][1]
+                if dead.end == alive:  # the samples' slack moved its end up: sharpen it
+                    dead = lowfreq.refined(dead, transforms, group.corner[2], _DEAD, error)
+                out[index] = (transforms, dead, _anchor_parts(group, anchor), error)
+            alive = min(entry[1].end for entry in out)
+        else:
+            _fft_groups(out, short, anchor, grid, dtype)
+            alive = min(entry[1].end for entry in out)
     _cache_put(keys, out)
-    return [(key, *entry) for key, entry in zip(keys, out)]
+    return [(key, *entry) for key, entry in zip(keys, out)], alive
 
 
-def _fft_groups(missing: list, ends: dict, direction: str, grid: _Grid, dtype):
-    """``(index, (transforms, bound), anchors)`` of :func:`_group_spectra` for ``(index,
-    group)`` pairs (anchors as :func:`_tilted` gives them), by full transforms of as many
-    anchors at once as a batch holds, an anchor shared by groups of a batch once."""
+def _anchor_parts(group, anchor) -> list:
+    """Per anchor of ``group``, ``(p_inf, log_mgf)`` of its tilted distribution."""
+    return [anchor(key)[2:] for key in group.anchors]
+
+
+def _sampled_groups(missing: list, anchor, n: int, dtype) -> list | None:
+    """The :class:`~.lowfreq.DeadBound` of each group in ``missing`` from coarse samples
+    (:func:`~.lowfreq.sampled_bounds`), or None where that cannot gain on full FFTs (or
+    the transforms are in extended precision)."""
+    if not missing or np.dtype(dtype) != np.float64:
+        return None
+    unique = list(dict.fromkeys(key for group in missing for key in group.anchors))
+    return lowfreq.sampled_bounds([anchor(key)[:2] for key in unique],
+                                  [tuple(unique.index(key) for key in group.anchors) for group in missing],
+                                  [group.corner[2] for group in missing], n, _DEAD)
+
+
+def _fft_groups(out: list, missing: list, anchor, grid: _Grid, dtype) -> None:
+    """Fill ``out[index]`` of :func:`_group_spectra` for ``(index, group)`` pairs by full
+    transforms of as many anchors at once as a batch holds, an anchor shared by groups of
+    a batch once (``anchor`` gives an anchor's tilted distribution)."""
     n, rows = grid.n, max(4, _BATCH_POINTS // (grid.n * np.dtype(dtype).itemsize // 8))
+    error = 4.0 * float(np.finfo(dtype).eps) / 2 * math.log2(n)
     batch: list = []
     for position, (index, group) in enumerate(missing):
         batch.append((index, group))
-        unique = list(dict.fromkeys(anchor for _, g in batch for anchor in g.anchors))
+        unique = list(dict.fromkeys(key for _, g in batch for key in g.anchors))
         if position + 1 < len(missing) and len(unique) + len(missing[position + 1][1].anchors) <= rows:
             continue
-        tilted = {anchor: _tilted(*_step_distribution(*anchor, direction, grid.spacing, *ends[anchor]),
-                                  grid.spacing, grid.tilt) for anchor in unique}
-        spectra = _placed_transform([tilted[anchor][:2] for anchor in unique], n, dtype)
+        spectra = _placed_transform([anchor(key)[:2] for key in unique], n, dtype)
         for index, group in batch:
-            rows_of = [unique.index(anchor) for anchor in group.anchors]
-            yield index, _dead_prefix(spectra, rows_of, group.corner[2]), [tilted[a] for a in group.anchors]
+            transforms, dead = _dead_prefix(spectra, [unique.index(key) for key in group.anchors], group.corner[2])
+            out[index] = (transforms, dead, _anchor_parts(group, anchor), error)
         batch = []
 
 
-def _dead_prefix(spectra: np.ndarray, rows: list, steps: int) -> tuple[np.ndarray, np.ndarray]:
+def _dead_prefix(spectra: np.ndarray, rows: list, steps: int) -> tuple[np.ndarray, lowfreq.DeadBound]:
     """For :func:`_group_spectra`: the transforms in ``rows`` of ``spectra`` (a group's
-    anchors) up to the cut, and the bound on their moduli past each frequency up to the
-    cut (one more entry)."""
+    anchors) up to the cut, and the :class:`~.lowfreq.DeadBound` of their moduli (every
+    frequency a sample)."""
     size = spectra.shape[1]
     modulus = np.abs(spectra[rows[0]]).astype(np.float64)  # moduli, not their squares (subnormals are slow)
     for row in rows[1:]:
@@ -1740,7 +1796,7 @@ def _dead_prefix(spectra: np.ndarray, rows: list, steps: int) -> tuple[np.ndarra
         cut, beyond = size, 0.0  # rounding at the threshold: keep everything
     head = modulus[:cut + 1] if cut < size else modulus
     bound = np.maximum(np.maximum.accumulate(head[::-1])[::-1], beyond)
-    return spectra[rows, :max(cut, 1)], bound
+    return spectra[rows, :max(cut, 1)], lowfreq.DeadBound(max(cut, 1), bound, 1)
 
 
 #: Exponents of the Chernoff certificate of :func:`_mixture_tail` (narrow distributions

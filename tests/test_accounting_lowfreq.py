@@ -1,0 +1,154 @@
+"""Low-frequency transforms of narrow distributions (``dpoptim.accounting.lowfreq``).
+
+Every value is judged against the full transform computed independently: an rfft of the
+masses placed on the whole circle, in extended precision where the platform has it.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dpoptim.accounting import lowfreq
+from dpoptim.accounting import pld as pld_module
+from dpoptim.accounting.pld import pld_epsilon
+
+DEAD = 800.0
+
+
+def full_transform(first: int, masses: np.ndarray, n: int) -> np.ndarray:
+    """The whole half-spectrum of ``masses`` placed at ``first`` modulo ``n``, in long double."""
+    placed = np.zeros(n, dtype=np.longdouble)
+    np.add.at(placed, (first + np.arange(masses.size)) % n, masses.astype(np.longdouble))
+    return np.fft.rfft(placed)
+
+
+def random_rows(draw, n: int, count: int) -> list:
+    rows = []
+    for _ in range(count):
+        size = draw(st.integers(1, min(n - 1, 3000)))
+        shape = draw(st.sampled_from(["bump", "spiky", "flat"]))
+        rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+        j = np.arange(size)
+        if shape == "bump":
+            centre, width = rng.uniform(0, size), rng.uniform(0.5, size / 4 + 1)
+            masses = np.exp(-0.5 * ((j - centre) / width) ** 2) + 1e-12 * rng.random(size)
+        elif shape == "spiky":
+            masses = rng.random(size) ** 8
+        else:
+            masses = np.ones(size)
+        rows.append((draw(st.integers(-3 * n, 3 * n)), masses / masses.sum()))
+    return rows
+
+
+def step_rows(n: int, spacing: float, pairs, direction: str) -> list:
+    """Tilted one-step distributions of subsampled Gaussians, as the accountant builds them."""
+    rows = []
+    for sigma, q in pairs:
+        first, masses, p_inf, _ = pld_module._tilted(
+            *pld_module._step_distribution(sigma, q, direction, spacing, -n // 4, n // 2), spacing, 0.5)
+        rows.append((first, masses))
+    return rows
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), log_n=st.integers(12, 17), size=st.integers(1, 700))
+def test_the_direct_transform_is_within_its_error_bound(data, log_n, size):
+    n = 2**log_n
+    size = min(size, n // 2 + 1)
+    rows = random_rows(data.draw, n, data.draw(st.integers(1, 5)))
+    spectra, error = lowfreq.low_transform(rows, n, size)
+    assert spectra.shape == (len(rows), size)
+    for row, (first, masses) in enumerate(rows):
+        exact = full_transform(first, masses, n)[:size]
+        worst = float(np.max(np.abs(spectra[row].astype(np.clongdouble) - exact)))
+        assert worst <= error, (worst, error)
+    assert error < 1e-12
+
+
+def test_the_error_bound_is_not_vacuous():
+    # It is a few hundred unit round-offs, and the measured error well inside it: a bound
+    # a thousand times smaller fails somewhere on these rows.
+    n = 2**16
+    rows = step_rows(n, 2.0**-10, [(0.8, 0.02), (1.5, 0.002), (3.0, 0.3)], "remove")
+    spectra, error = lowfreq.low_transform(rows, n, 300)
+    worst = max(float(np.max(np.abs(spectra[r].astype(np.clongdouble) - full_transform(*row, n)[:300])))
+                for r, row in enumerate(rows))
+    assert worst <= error < 1e-12
+    assert worst > error / 1e4
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), log_n=st.integers(14, 17), counts=st.lists(st.integers(2, 10**6), min_size=1, max_size=4))
+def test_sampled_bounds_hold_at_every_frequency(data, log_n, counts):
+    n = 2**log_n
+    rows = random_rows(data.draw, n, len(counts) + 1)
+    groups = [(index, index + 1) for index in range(len(counts))]
+    bounds = lowfreq.sampled_bounds(rows, groups, counts, n, DEAD)
+    if bounds is None:
+        return
+    moduli = np.array([np.abs(full_transform(*row, n)).astype(float) for row in rows])
+    for group, count, bound in zip(groups, counts, bounds):
+        worst = moduli[list(group)].max(axis=0)
+        # Dead from ``end`` on, and ``at(k)`` bounds everything from k on.
+        assert np.all(count * np.log(np.maximum(worst[bound.end:], 1e-300)) <= -DEAD + 1e-9)
+        suffix = np.maximum.accumulate(worst[::-1])[::-1]
+        for k in np.unique(np.linspace(0, n // 2, 97).astype(int)):
+            assert suffix[k] <= bound.at(int(k)) + 1e-15, (k, suffix[k], bound.at(int(k)))
+
+
+def test_sampled_bounds_need_their_slack(monkeypatch):
+    # Two atoms far apart: the modulus oscillates faster than the samples, so samples
+    # alone miss its peaks. With the slack between samples dropped the check above fails.
+    n = 2**16
+    masses = np.zeros(1500)
+    masses[0] = masses[-1] = 0.5
+    rows = [(0, masses)]
+    exact = np.abs(full_transform(0, masses, n)).astype(float)
+    bound = lowfreq.sampled_bounds(rows, [(0,)], [10**5], n, DEAD)[0]
+    assert all(exact[k:].max() <= bound.at(k) + 1e-15 for k in range(0, n // 2, 997))
+    monkeypatch.setattr(lowfreq, "_first_moment", lambda masses: 0.0)
+    careless = lowfreq.sampled_bounds(rows, [(0,)], [10**5], n, DEAD)[0]
+    assert any(exact[k:].max() > careless.at(k) + 1e-6 for k in range(0, n // 2, 997))
+
+
+def test_refined_bounds_hold_and_end_at_the_last_live_frequency():
+    n = 2**17
+    rows = step_rows(n, 2.0**-11, [(0.8, 0.002), (0.8, 0.02), (2.0, 0.002), (2.0, 0.02)], "add")
+    count = 70_000
+    bound = lowfreq.sampled_bounds(rows, [(0, 1, 2, 3)], [count], n, DEAD)[0]
+    spectra, error = lowfreq.low_transform(rows, n, bound.end)
+    sharp = lowfreq.refined(bound, spectra, count, DEAD, error)
+    worst = np.array([np.abs(full_transform(*row, n)).astype(float) for row in rows]).max(axis=0)
+    live = np.flatnonzero(count * np.log(worst) > -DEAD)
+    assert sharp.end <= bound.end and sharp.end >= live[-1] + 1
+    assert sharp.end <= live[-1] + 2  # within rounding of the exact cut
+    suffix = np.maximum.accumulate(worst[::-1])[::-1]
+    for k in range(0, n // 2, 251):
+        assert suffix[k] <= sharp.at(k) + 1e-15
+
+
+def test_mixture_groups_agree_by_either_route(monkeypatch):
+    # The long schedule's groups by direct sums (the default here) and by full FFTs: the
+    # same epsilon to within the rounding allowances (the brackets of such schedules
+    # against rigorous lower bounds are in test_accounting_bounds.py).
+    runs = [(0.8 + 1.2 * i / 299, 0.002 * 10 ** (i / 299), 300) for i in range(300)]
+    sizes = []
+    transform = lowfreq.low_transform
+    monkeypatch.setattr(lowfreq, "low_transform", lambda rows, n, size: sizes.append(size) or transform(rows, n, size))
+    direct = pld_epsilon(runs, 1e-5)
+    assert sizes, "the direct route was not taken"
+    monkeypatch.setattr(lowfreq, "sampled_bounds", lambda *args: None)
+    pld_module._pld_epsilon.cache_clear()
+    pld_module._prefix_cache.clear()
+    full = pld_epsilon(runs, 1e-5)
+    assert direct == pytest.approx(full, rel=1e-9)
+
+
+def test_no_matrix_products_in_the_transforms():
+    # OpenBLAS's idle threads spin after a threaded call, taking a core from the other
+    # direction's composition: the transforms use FFTs and elementwise sums only.
+    import inspect
+
+    source = inspect.getsource(lowfreq)
+    assert not any(word in source for word in (" @ ", "np.dot", "matmul", "tensordot"))
