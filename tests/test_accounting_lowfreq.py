@@ -129,10 +129,11 @@ def test_refined_bounds_hold_and_end_at_the_last_live_frequency():
 
 
 def test_mixture_groups_agree_by_either_route(monkeypatch):
-    # The long schedule's groups by direct sums (the default here) and by full FFTs: the
-    # same epsilon to within the rounding allowances (the brackets of such schedules
-    # against rigorous lower bounds are in test_accounting_bounds.py).
-    runs = [(0.8 + 1.2 * i / 299, 0.002 * 10 ** (i / 299), 300) for i in range(300)]
+    # The long schedule's groups by block moments (the default here) and by full FFTs:
+    # the same epsilon to within the rounding allowances, the moments' a little larger
+    # (the brackets of such schedules against rigorous lower bounds are in
+    # test_accounting_bounds.py).
+    runs = [(0.8 + 1.2 * i / 299, 0.002 * 10 ** (i / 299), 1000) for i in range(300)]
     sizes = []
     transform = lowfreq.low_transform
     monkeypatch.setattr(lowfreq, "low_transform", lambda rows, n, size: sizes.append(size) or transform(rows, n, size))
@@ -142,7 +143,7 @@ def test_mixture_groups_agree_by_either_route(monkeypatch):
     pld_module._pld_epsilon.cache_clear()
     pld_module._prefix_cache.clear()
     full = pld_epsilon(runs, 1e-5)
-    assert direct == pytest.approx(full, rel=1e-9)
+    assert direct == pytest.approx(full, rel=1e-8)
 
 
 def test_no_matrix_products_in_the_transforms():

@@ -1546,9 +1546,22 @@ def _product(items, grid: _Grid, dtype, lower: bool) -> _Product:
         with np.errstate(divide="ignore"):
             log_modulus = np.log(np.abs(step))
         log_modulus_sum += count * log_modulus
-        angle_sum += np.remainder(count * np.angle(step), 2.0 * math.pi)
+        angle_sum += _reduced_angles(step.real, step.imag, count)
         log_weight += (count - 1) * log_modulus.astype(np.float64)
     return _Product(_polar(log_modulus_sum, angle_sum), log_weight, dead_log_weight, log_finite, cgf, total_steps)
+
+
+def _reduced_angles(real: np.ndarray, imag: np.ndarray, counts) -> np.ndarray:
+    """``counts * angle(real + i imag)`` reduced to within pi of 0, as an angle mod 2 pi:
+    ``arctan(imag / real)``, plus pi where ``real < 0`` (the same mod 2 pi), twice as fast
+    as ``arctan2``; the angle of 0 is taken as 0 (its modulus makes the product zero)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        angle = np.arctan(imag / real)
+    angle[real < 0] += math.pi
+    angle[np.isnan(angle)] = 0.0
+    angle *= counts
+    angle -= (2.0 * math.pi) * np.rint(angle / (2.0 * math.pi))
+    return angle
 
 
 def _joined(first: _Product, second: _Product) -> _Product:
@@ -1660,9 +1673,8 @@ def _mixed_rows(group, parts: list, prefixes: np.ndarray) -> tuple:
     losses. ``parts`` holds the anchors' ``(p_inf, log_mgf)`` of :func:`_tilted`. Row
     ``r`` mixes the anchors' finite masses with its weights ``w_c``, so its tilted
     transform mixes theirs with ``w_c M_c / sum_c w_c M_c`` (one matrix product per part).
-    Angles come from ``arctan(Im / Re)``, plus pi where ``Re < 0`` (the same mod 2 pi),
-    twice as fast as ``arctan2``; each ``count * angle`` is reduced mod 2 pi before the
-    sums, which run along a contiguous axis, pairwise."""
+    Each ``count * angle`` is reduced mod 2 pi (:func:`_reduced_angles`) before the sums,
+    which run along a contiguous axis, pairwise."""
     with np.errstate(divide="ignore"):
         log_terms = np.log(group.weights) + np.array([log_mgf for _, log_mgf in parts])
     peak = log_terms.max(axis=1, keepdims=True)
@@ -1671,13 +1683,9 @@ def _mixed_rows(group, parts: list, prefixes: np.ndarray) -> tuple:
     real = np.einsum("ca,rc->ar", prefixes.real, shares)  # frequencies by rows; at most four anchors
     imag = np.einsum("ca,rc->ar", prefixes.imag, shares)
     counts = np.array(group.counts, dtype=float)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore"):
         log_modulus = np.log(np.hypot(real, imag))
-        angle = np.arctan(imag / real)
-    angle[real < 0] += math.pi
-    angle[np.isnan(angle)] = 0.0  # a zero entry: its logarithm, -inf, makes the product zero
-    angle *= counts.astype(angle.dtype)
-    angle -= (2.0 * math.pi) * np.rint(angle / (2.0 * math.pi))
+    angle = _reduced_angles(real, imag, counts.astype(real.dtype))
     sums = ((log_modulus * counts.astype(log_modulus.dtype)).sum(axis=1), angle.sum(axis=1),
             (log_modulus * (counts - 1.0)).sum(axis=1, dtype=np.float64))
     p_inf = group.weights @ np.array([p_inf for p_inf, _ in parts])
@@ -1727,22 +1735,32 @@ def _group_spectra(groups, ends: dict, direction: str, grid: _Grid, dtype) -> tu
     alive = min(entry[1].end for entry in out)
     short = [(index, groups[index]) for index, entry in enumerate(out) if entry[0].shape[1] < alive]
     if short:
-        unique = list(dict.fromkeys(key for _, group in short for key in group.anchors))
-        rows = [anchor(key)[:2] for key in unique]
-        if lowfreq.direct_pays(rows, grid.n, alive):
-            spectra, error = lowfreq.low_transform(rows, grid.n, alive)
-            for index, group in short:
-                transforms = spectra[[unique.index(key) for key in group.anchors]]
-                dead = out[index][1]
-                if dead.end == alive:  # the samples' slack moved its end up: sharpen it
-                    dead = lowfreq.refined(dead, transforms, group.corner[2], _DEAD, error)
-                out[index] = (transforms, dead, _anchor_parts(group, anchor), error)
-            alive = min(entry[1].end for entry in out)
-        else:
-            _fft_groups(out, short, anchor, grid, dtype)
-            alive = min(entry[1].end for entry in out)
+        _low_groups(out, short, anchor, grid, dtype, alive)
+        alive = min(entry[1].end for entry in out)
     _cache_put(keys, out)
     return [(key, *entry) for key, entry in zip(keys, out)], alive
+
+
+def _low_groups(out: list, short: list, anchor, grid: _Grid, dtype, alive: int) -> None:
+    """Fill ``out[index]`` of :func:`_group_spectra` for ``(index, group)`` pairs whose
+    transforms are needed up to ``alive``: by block moments (:func:`~.lowfreq.low_transform`)
+    where that is cheaper, the group that ends at ``alive`` sharpened on them
+    (:func:`~.lowfreq.refined`), else by full FFTs."""
+    unique = list(dict.fromkeys(key for _, group in short for key in group.anchors))
+    rows = [anchor(key)[:2] for key in unique]
+    # A quarter more than needed, so that a ledger grown by a step (whose smallest group
+    # may live a frequency longer) finds the other groups' transforms long enough.
+    size = min(alive + alive // 4 + 16, grid.n // 2 + 1)
+    if not lowfreq.direct_pays(rows, grid.n, size):
+        _fft_groups(out, short, anchor, grid, dtype)
+        return
+    spectra, error = lowfreq.low_transform(rows, grid.n, size)
+    for index, group in short:
+        transforms = spectra[[unique.index(key) for key in group.anchors]]
+        dead = out[index][1]
+        if dead.end == alive:  # the samples' slack moved its end up: sharpen it
+            dead = lowfreq.refined(dead, transforms, group.corner[2], _DEAD, error)
+        out[index] = (transforms, dead, _anchor_parts(group, anchor), error)
 
 
 def _anchor_parts(group, anchor) -> list:
