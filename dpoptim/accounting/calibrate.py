@@ -198,11 +198,6 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
         value = accountant(sigma)
         if floor <= value <= target:
             return sigma
-        if previous is None and 0 < value < target:
-            # The coarse PLD sits above the accountant by a margin its coarse grid fixes
-            # (about a bin), not in proportion: at tiny epsilon its log-slope is flatter by
-            # about the ratio of the two values at the start, where it meets the target.
-            slope = min(slope * target / value, 50.0)
         if not 0 < value < math.inf:
             break
         feasible = [s for s, v in known.items() if v <= target]
