@@ -3,9 +3,9 @@ r"""The live low frequencies of narrow distributions' transforms, without full F
 After many steps the composed privacy loss distribution is wide and smooth: its transform
 lives on a few hundred of the ``n / 2 + 1`` frequencies of the grid, and past them every
 factor's power is below e^-800, zero in float64. A step's distribution is narrow (a few
-thousand bins of the ``n``), so its transform on those frequencies costs ``K m``
-multiply-adds computed directly, against ``n log n`` for a full FFT: several times less
-for the anchors of a long schedule's mixture groups (:mod:`.mixture`).
+thousand bins of the ``n``), so its transform on those frequencies can be had for a
+tenth of a full FFT's work: for the anchors of a long schedule's mixture groups
+(:mod:`.mixture`), where the full transforms were most of an evaluation's time.
 
 Masses :math:`x_j \ge 0` summing to 1 at grid indices ``f + j`` (``j < m``), placed modulo
 ``n``, have the transform :math:`X_k = \sum_j x_j e^{-2\pi i (f + j) k / n}`.
@@ -135,8 +135,9 @@ def refined(bound: DeadBound, spectra: np.ndarray, count: int, dead: float, erro
 
 def direct_pays(rows: list, n: int, size: int) -> bool:
     """Whether :func:`low_transform` of ``rows`` up to ``size`` costs at most a quarter of
-    their full FFTs (measured: its transforms move more memory per point): per row ``P`` transforms of the ``L = n / b`` blocks and ``P`` passes over its
-    masses and over the ``size`` frequencies, against one transform of ``n`` points."""
+    their full FFTs (its transforms move more memory per point, measured): per row ``P``
+    transforms of the ``L = n / b`` blocks and ``P`` passes over its masses and over the
+    ``size`` frequencies, against one transform of ``n`` points."""
     if not 0 < size < n // 2 + 1:
         return False
     b, terms = _blocking(n, size)

@@ -1554,7 +1554,9 @@ def _product(items, grid: _Grid, dtype, lower: bool) -> _Product:
 def _reduced_angles(real: np.ndarray, imag: np.ndarray, counts) -> np.ndarray:
     """``counts * angle(real + i imag)`` reduced to within pi of 0, as an angle mod 2 pi:
     ``arctan(imag / real)``, plus pi where ``real < 0`` (the same mod 2 pi), twice as fast
-    as ``arctan2``; the angle of 0 is taken as 0 (its modulus makes the product zero)."""
+    as ``arctan2`` and within a few unit round-offs of the exact angle (the quotient, the
+    arctangent, the added pi: the allowance counts 8, see :func:`_rounding_allowance`);
+    the angle of 0 is taken as 0 (its modulus makes the product zero)."""
     with np.errstate(divide="ignore", invalid="ignore"):
         angle = np.arctan(imag / real)
     angle[real < 0] += math.pi
@@ -1627,7 +1629,8 @@ def _mixture_product(groups, direction, grid: _Grid, delta: float, dtype) -> tup
         if alive < n // 2 + 1:
             # Past ``alive`` every row's modulus is at most the bound (a mixture of the anchors').
             with np.errstate(divide="ignore"):
-                dead_log_weight = min(dead_log_weight, (sum(group.counts) - len(group.counts)) * math.log(dead.at(alive)))
+                beyond = (sum(group.counts) - len(group.counts)) * math.log(dead.at(alive))
+                dead_log_weight = min(dead_log_weight, beyond)
     _cache_put(keys, rows)
     total = sum(sum(group.counts) for group in groups)
     top = (grid.i_low + n) * spacing
@@ -1639,11 +1642,12 @@ def _mixture_product(groups, direction, grid: _Grid, delta: float, dtype) -> tup
         grids = [_step_distribution(sigma, q, direction, spacing, *ends[(sigma, q)])
                  for group in groups for sigma, q in group.anchors]
         tail = min(tail, _mixture_tail(groups, grids, spacing, top))
-    # The anchors' transforms err by at most ``transform`` each (an FFT's, or the direct
-    # sums' of :mod:`.lowfreq`); mixing adds at most 8 units to each entry (four products
-    # and sums, weights summing to 1), its logarithm and angle 8 more; summing the rows' logarithms (at most 745 in all
-    # where the product is not zero) and their angles (each below 2 pi) pairwise, then the
-    # groups', adds at most what the last term spreads over the steps.
+    # The anchors' transforms err by at most ``transform`` each (an FFT's, or the block
+    # moments' of :mod:`.lowfreq`); mixing adds at most 8 units to each entry (four
+    # products and sums, weights summing to 1), its logarithm and angle 8 more; summing
+    # the rows' logarithms (at most 745 in all where the product is not zero) and their
+    # angles (each within pi of 0) pairwise, then the groups', adds at most what the last
+    # term spreads over the steps.
     unit = float(np.finfo(dtype).eps) / 2
     transform = max(entry[4] for entry in spectra)
     count = sum(len(group.counts) for group in groups)
@@ -1672,7 +1676,7 @@ def _mixed_rows(group, parts: list, prefixes: np.ndarray) -> tuple:
     composed log normalisation, of its rounding margin and of the log chance of finite
     losses. ``parts`` holds the anchors' ``(p_inf, log_mgf)`` of :func:`_tilted`. Row
     ``r`` mixes the anchors' finite masses with its weights ``w_c``, so its tilted
-    transform mixes theirs with ``w_c M_c / sum_c w_c M_c`` (one matrix product per part).
+    transform mixes theirs with ``w_c M_c / sum_c w_c M_c`` (no BLAS call: see :mod:`.lowfreq`).
     Each ``count * angle`` is reduced mod 2 pi (:func:`_reduced_angles`) before the sums,
     which run along a contiguous axis, pairwise."""
     with np.errstate(divide="ignore"):
@@ -1878,9 +1882,10 @@ def _rounding_allowance(n: int, total_steps: int, weight: np.ndarray, modulus: n
     ``weight`` and ``modulus`` may stop short of the ``n / 2 + 1`` frequencies of the
     half-spectrum (see :func:`_step_prefixes`): beyond, the modulus of the product is below
     e^-_DEAD and the weight below ``e^dead_log_weight``, and both bounds enter the
-    averages for every frequency cut off. ``step_error`` replaces the first
-    :math:`4 u \log_2 n` where the steps' transforms were computed otherwise (mixtures of
-    anchors, transforms of a prefix: :func:`_mixture_product`).
+    averages for every frequency cut off. Each step's entry also carries 8 more units for
+    its logarithm and angle (:func:`_reduced_angles`). ``step_error`` replaces the first
+    :math:`4 u \log_2 n + 8 u` where the steps' transforms were computed otherwise
+    (mixtures of anchors, transforms of a prefix: :func:`_mixture_product`).
     """
     half_size = n // 2 + 1
     cut = half_size - weight.size
@@ -1892,7 +1897,7 @@ def _rounding_allowance(n: int, total_steps: int, weight: np.ndarray, modulus: n
     weights = average(weight, math.exp(min(dead_log_weight, 0.0)) if cut else 0.0)
     moduli = average(modulus, math.exp(-_DEAD) if cut else 0.0)
     transform = 4.0 * unit * math.log2(n)
-    per_step = transform if step_error is None else step_error
+    per_step = transform + 8.0 * unit if step_error is None else step_error
     return per_step * total_steps * weights + transform * moduli + 1e-290
 
 
