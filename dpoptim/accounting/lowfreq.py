@@ -119,7 +119,8 @@ def sampled_bounds(rows: list, groups: list, counts: list, n: int, dead: float) 
 def refined(bound: DeadBound, spectra: np.ndarray, count: int, dead: float, error: float) -> DeadBound:
     """``bound`` sharpened by a group's rows' transforms ``spectra`` (each within ``error``)
     at the frequencies below its length: the group is dead past its last frequency there
-    whose modulus may exceed the threshold, if the samples bound everything beyond."""
+    whose modulus may exceed the threshold, if ``bound`` holds everything beyond (else
+    ``bound`` itself, as for a group of one step)."""
     if count < 2 or spectra.shape[1] == 0:
         return bound
     threshold = math.exp(-dead / count) * (1.0 - 1e-9)

@@ -1805,20 +1805,13 @@ def _fft_groups(out: list, missing: list, anchor, grid: _Grid, dtype) -> None:
 
 def _dead_prefix(spectra: np.ndarray, rows: list, steps: int) -> tuple[np.ndarray, lowfreq.DeadBound]:
     """For :func:`_group_spectra`: the transforms in ``rows`` of ``spectra`` (a group's
-    anchors) up to the cut, and the :class:`~.lowfreq.DeadBound` of their moduli (every
-    frequency a sample)."""
+    anchors, whole half-spectra) up to the cut, and their :class:`~.lowfreq.DeadBound`:
+    :func:`~.lowfreq.refined` from the bound that holds everywhere (moduli at most 1), so
+    both routes cut the same way (the whole spectrum is kept where nothing certifies)."""
     size = spectra.shape[1]
-    modulus = np.abs(spectra[rows[0]]).astype(np.float64)  # moduli, not their squares (subnormals are slow)
-    for row in rows[1:]:
-        np.maximum(modulus, np.abs(spectra[row]), out=modulus)
-    live = np.flatnonzero(modulus > math.exp(-_DEAD / steps)) if steps > 1 else [size - 1]
-    cut = int(live[-1]) + 1 if len(live) else 0
-    beyond = float(modulus[cut:].max()) if cut < size else 0.0
-    if cut < size and not (beyond > 0 and steps * math.log(beyond) <= -_DEAD):
-        cut, beyond = size, 0.0  # rounding at the threshold: keep everything
-    head = modulus[:cut + 1] if cut < size else modulus
-    bound = np.maximum(np.maximum.accumulate(head[::-1])[::-1], beyond)
-    return spectra[rows, :max(cut, 1)], lowfreq.DeadBound(max(cut, 1), bound, 1)
+    everywhere = lowfreq.DeadBound(size, np.full(1, 1.0 + 1e-9), size)
+    dead = lowfreq.refined(everywhere, spectra[rows], steps, _DEAD, 0.0)
+    return spectra[rows, :dead.end], dead
 
 
 #: Exponents of the Chernoff certificate of :func:`_mixture_tail` (narrow distributions
