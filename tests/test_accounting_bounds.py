@@ -27,6 +27,7 @@ from dpoptim.accounting.gaussian import (
 from dpoptim.accounting.ledger import coarsen_runs, member_groups
 from dpoptim.accounting.mixture import LEVELS as MIXTURE_LEVELS
 from dpoptim.accounting.mixture import mixture_group, mixture_groups, rate_weights, sigma_weights
+from dpoptim.accounting import pld as pld_module
 from dpoptim.accounting.pld import pld_epsilon, pld_epsilon_lower_bound
 
 DELTA = 1e-5
@@ -120,6 +121,46 @@ def test_tiny_sigma_is_monotone_where_it_used_to_jump():
     values = [epsilon(s, 0.01, 1000, DELTA) for s in sigmas]
     assert all(b <= a for a, b in zip(values, values[1:]))
     assert values[0] / values[-1] == pytest.approx((0.0055 / 0.0045) ** 2, rel=0.01)
+
+
+@pytest.mark.parametrize("sigma", [0.47, 0.58])
+def test_tiny_sample_rate_with_a_small_epsilon_is_tight(sigma):
+    # q = 1e-6, 1000 steps, epsilon 2e-4 to 8e-4: the one-step loss was cut as though the
+    # component at 1 weighed 1, not q, so the narrow window was refused below sigma 0.59
+    # and epsilon came out up to 17% high (1.97e-4 against 1.68e-4 at sigma 0.584).
+    upper = epsilon(sigma, 1e-6, 1000, DELTA)
+    assert_bracketed(upper, pld_epsilon_lower_bound([(sigma, 1e-6, 1000)], DELTA, grid_points=2**17))
+
+
+@settings(max_examples=60, deadline=None)
+@given(sigma=st.floats(0.01, 20.0), log_q=st.floats(math.log(1e-9), math.log(0.999)),
+       log_budget=st.floats(math.log(1e-40), math.log(0.4)), direction=st.sampled_from(["remove", "add"]))
+def test_loss_cut_and_floor_leave_at_most_the_budget(sigma, log_q, log_budget, direction):
+    # Checked on the loss scale with scipy's normal tails: find the z where the loss
+    # crosses the cut (floor) by bisection, and sum the components' tails beyond it.
+    q, budget = math.exp(log_q), math.exp(log_budget)
+    parts = ((1 - q, 0.0), (q, 1.0)) if direction == "remove" else ((1.0, 1.0),)
+
+    def z_at(loss, below):  # (low, high) around where the loss crosses ``loss``
+        low, high = -60.0 * sigma - 60.0, 60.0 * sigma + 60.0
+        for _ in range(200):
+            middle = 0.5 * (low + high)
+            value = float(pld_module._loss_of_z(middle, sigma, q, direction))
+            if value < loss or (not below and value == loss):
+                low = middle
+            else:
+                high = middle
+        return low, high
+
+    cut = pld_module._loss_cut(sigma, q, direction, budget)
+    low, high = z_at(cut, below=False)  # the loss is at most the cut up to low, above it from high
+    assert sum(w * stats.norm.sf((low - m) / sigma) for w, m in parts) <= budget * (1 + 1e-6)
+    # ... and as little less as the bisection on z allows (the loss itself can be flat there)
+    z = pld_module._mixture_z(sigma, q, direction, budget, upper=True)
+    assert sum(w * stats.norm.sf((z - 1e-6 * sigma - m) / sigma) for w, m in parts) >= 0.99 * budget
+    floor = pld_module._loss_floor(sigma, q, direction, budget)
+    low, high = z_at(floor, below=True)  # the loss is below the floor up to low, at least it from high
+    assert sum(w * stats.norm.cdf((high - m) / sigma) for w, m in parts) <= budget * (1 + 1e-6)
 
 
 # --- brackets for moderate sigma --------------------------------------------------------

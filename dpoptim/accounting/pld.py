@@ -889,17 +889,55 @@ def _loss_of_z(z, sigma: float, q: float, direction: str):
 def _loss_cut(sigma: float, q: float, direction: str, budget: float) -> float:
     """A loss c with Pr_P[L > c] <= budget.
 
-    In either direction every component of P is N(m, s^2) with m <= 1, so Pr_P[z > z*] <=
-    Phibar((z* - 1) / s), and the loss is increasing in z.
+    The loss is increasing in z, and P is a mixture of N(m, sigma^2) components
+    (:func:`_components`), so Pr_P[L > c] is the mixture's tail beyond the z where the
+    loss is c (:func:`_mixture_z`). At tiny q the component at m = 1 weighs only q, and
+    the cut sits several standard deviations lower than it would for that component
+    alone; the window of :func:`_narrow_grid` narrows with it.
     """
-    z_star = 1.0 + sigma * float(-ndtri(min(budget, 0.5)))
-    return float(_loss_of_z(z_star, sigma, q, direction))
+    return float(_loss_of_z(_mixture_z(sigma, q, direction, budget, upper=True), sigma, q, direction))
 
 
 def _loss_floor(sigma: float, q: float, direction: str, budget: float) -> float:
-    """A loss f with Pr_P[L < f] <= budget (components of P are N(m, s^2) with m >= 0)."""
-    z_star = sigma * float(ndtri(min(budget, 0.5)))
-    return float(_loss_of_z(z_star, sigma, q, direction))
+    """A loss f with Pr_P[L < f] <= budget (see :func:`_loss_cut`)."""
+    return float(_loss_of_z(_mixture_z(sigma, q, direction, budget, upper=False), sigma, q, direction))
+
+
+def _components(q: float, direction: str) -> tuple[tuple[float, float], ...]:
+    """``(weight, mean)`` of the Gaussian components N(mean, sigma^2) of P (for add, in
+    the reflected coordinate)."""
+    return ((1.0 - q, 0.0), (q, 1.0)) if direction == _REMOVE else ((1.0, 1.0),)
+
+
+def _mixture_z(sigma: float, q: float, direction: str, budget: float, upper: bool) -> float:
+    """A z whose tail under P (above z if ``upper``, else below) is at most ``budget``.
+
+    Every component's tail is at most the mixture's budget where each component alone
+    is within it (the weights sum to 1): that z is feasible and starts a bisection toward
+    the tightest one, which keeps only z whose mixture tail, from ``log_ndtr`` and
+    summed with 1e-9 to spare, is within the budget.
+    """
+    budget = min(budget, 0.5)
+    parts = _components(q, direction)
+    reach = sigma * float(-ndtri(budget))
+    sign = 1.0 if upper else -1.0
+    means = [mean for _, mean in parts]
+    feasible = (max(means) + reach) if upper else (min(means) - reach)  # each component within budget
+    loose = (min(means) + reach) if upper else (max(means) - reach)  # the heaviest alone: not beyond
+
+    def within(z: float) -> bool:
+        tail = sum(weight * math.exp(log_ndtr(sign * (mean - z) / sigma)) for weight, mean in parts if weight > 0)
+        return tail * (1.0 + 1e-9) <= budget
+
+    for _ in range(60):
+        middle = 0.5 * (feasible + loose)
+        if middle in (feasible, loose):
+            break
+        if within(middle):
+            feasible = middle
+        else:
+            loose = middle
+    return feasible
 
 
 _HERMITE_X, _HERMITE_W = np.polynomial.hermite_e.hermegauss(96)
@@ -908,12 +946,8 @@ _HERMITE_W = _HERMITE_W / math.sqrt(2.0 * math.pi)
 
 def _loss_moments(sigma: float, q: float, direction: str, cut: float) -> tuple[float, float]:
     """Mean and variance of the loss below ``cut`` (Gauss-Hermite; only used as a guide)."""
-    if direction == _REMOVE:
-        components = ((1.0 - q, 0.0), (q, 1.0))
-    else:
-        components = ((1.0, 1.0),)
     first = second = 0.0
-    for weight, mean in components:
+    for weight, mean in _components(q, direction):
         losses = _loss_of_z(mean + sigma * _HERMITE_X, sigma, q, direction)
         kept = np.where(losses <= cut, losses, 0.0)
         first += weight * float(_HERMITE_W @ kept)
@@ -923,9 +957,8 @@ def _loss_moments(sigma: float, q: float, direction: str, cut: float) -> tuple[f
 
 def _loss_log_mgf(sigma, q, direction, floor: float, cut: float, lambdas: np.ndarray) -> np.ndarray:
     """log E_P[e^{lambda max(L, floor)}; L <= cut] for each lambda (Gauss-Hermite; a guide)."""
-    components = ((1.0 - q, 0.0), (q, 1.0)) if direction == _REMOVE else ((1.0, 1.0),)
     log_terms = []
-    for weight, mean in components:
+    for weight, mean in _components(q, direction):
         if weight > 0:
             losses = np.maximum(_loss_of_z(mean + sigma * _HERMITE_X, sigma, q, direction), floor)
             with np.errstate(divide="ignore"):
@@ -1206,9 +1239,12 @@ def _dominated_offset(sigma: float, q: float, direction: str, spacing: float) ->
     bound; the composed loss is labelled with the sum of the steps' offsets
     (:func:`_compose_direction`).
     """
-    lo, hi = _support(sigma, q, direction, spacing, -(2**62), 2**62)
-    _, _, _, log_p, log_qq = _bin_log_masses(sigma, q, direction, np.arange(lo, hi + 1) * spacing)
-    heaviest = int(np.argmax(log_p))
+    # A bin holding half of P holds P's median: only the bins next to it are computed,
+    # the first of them reaching down to -inf (the merged loss needs no more).
+    middle = math.ceil(float(_loss_of_z(_mixture_z(sigma, q, direction, 0.5, upper=True), sigma, q, direction))
+                       / spacing)
+    _, _, _, log_p, log_qq = _bin_log_masses(sigma, q, direction, np.arange(middle - 2, middle + 3) * spacing)
+    heaviest = 1 + int(np.argmax(log_p[1:-1]))
     if log_p[heaviest] < math.log(0.5):
         return 0.0  # the bulk spans bins: the plain grid does as well (measured: a little better)
     merged = float(np.logaddexp.reduce(log_p[: heaviest + 1]) - np.logaddexp.reduce(log_qq[: heaviest + 1]))
