@@ -163,6 +163,27 @@ def test_loss_cut_and_floor_leave_at_most_the_budget(sigma, log_q, log_budget, d
     assert sum(w * stats.norm.cdf((high - m) / sigma) for w, m in parts) <= budget * (1 + 1e-6)
 
 
+def test_calibration_at_a_tiny_sample_rate_takes_few_accountant_evaluations(monkeypatch):
+    # The accountant costs a few tenths of a second per evaluation at q = 1e-6 (a grid of
+    # 2^20 points). The model on one grid, scaled to the accountant's value at the start,
+    # lands in the band at the second evaluation or, where the accountant's grid changes
+    # on the way, the third (before it: four to seven).
+    calls = []
+    accountant = calibrate_module.epsilon_of_ledger
+
+    def counted(runs, delta, name="pld"):
+        if name == "pld" and runs[0][0] > 0:
+            calls.append(runs[0][0])
+        return accountant(runs, delta, name)
+
+    monkeypatch.setattr(calibrate_module, "epsilon_of_ledger", counted)
+    for target in (1e-4, 5e-4, 3e-3):
+        calls.clear()
+        sigma = calibrate_noise(target, DELTA, 1e-6, 1000)
+        assert target * 0.998 <= accountant([(sigma, 1e-6, 1000)], DELTA) <= target
+        assert sigma in calls and len(calls) <= 3, (target, calls)
+
+
 # --- brackets for moderate sigma --------------------------------------------------------
 
 

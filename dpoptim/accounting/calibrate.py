@@ -27,7 +27,7 @@ from .ledger import (
     check_noise_multiplier,
     check_sample_rate,
 )
-from .pld import PLDAccountant, pld_epsilon, steering_epsilon
+from .pld import PLDAccountant, model_epsilon, pld_epsilon, steering_epsilon
 from .rdp import DEFAULT_ORDERS, RDPAccountant, conversion_terms, ledger_rdp, rdp_subsampled_gaussian
 
 __all__ = [
@@ -174,14 +174,15 @@ def _gdp_guess(target: float, delta: float, q: float, steps: int) -> float:
 def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: float) -> float:
     """The accountant's own search from the coarse answer ``start``.
 
-    Secant steps on log epsilon against log sigma, all on points evaluated with the
-    accountant (smooth in sigma, unlike the coarse PLD, whose power-of-two spacing makes
-    it jump by up to a quarter): the first step takes its slope from the coarse PLD over
-    baselines of 2% to 10% in sigma (:func:`_coarse_slope`), later ones from
-    the accountant's last two points, or the parabola through its last three. Once a
-    feasible and an infeasible point bracket the
-    answer, :func:`_illinois` narrows the bracket. Only evaluated points are returned, so
-    the answer never overshoots the target (see :func:`_solve`).
+    The accountant's value at ``start`` measures the offset of a model there: the PLD on
+    one grid (:func:`~dpoptim.accounting.pld.model_epsilon`), smooth in sigma and a
+    quarter of the accountant's largest grid. The model, scaled by that offset, is solved
+    for the middle of the accepted band (:func:`_modelled`), and the accountant's value
+    there is usually within the band. Where it is not, secant steps on log epsilon against
+    log sigma follow, all on points evaluated with the accountant: slopes from its last
+    two points, or the parabola through its last three. Once a feasible and an infeasible
+    point bracket the answer, :func:`_illinois` narrows the bracket. Only evaluated points
+    are returned, so the answer never overshoots the target (see :func:`_solve`).
     """
     known: dict[float, float] = {}
 
@@ -192,8 +193,15 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
 
     floor = target * (1.0 - _CALIBRATION_TOLERANCE)
     aim = target * (1.0 - _CALIBRATION_TOLERANCE / 2)
-    slope = _coarse_slope(start, q, steps, delta)
     sigma, previous = start, None
+    value = accountant(start)
+    if floor <= value <= target:
+        return start
+    modelled = _modelled(start, value, aim, q, steps, delta) if 0 < value < math.inf else None
+    if modelled is None:
+        slope = _coarse_slope(start, q, steps, delta)
+    else:
+        (sigma, slope), previous = modelled, start
     for _ in range(4):
         value = accountant(sigma)
         if floor <= value <= target:
@@ -216,6 +224,47 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
             break
     feasible = [s for s, v in known.items() if v <= target]
     return _solve(accountant, target, min(feasible) if feasible else max(known), close=True, slope=slope)
+
+
+def _modelled(start: float, value: float, aim: float, q: float, steps: int, delta: float):
+    """``(sigma, slope)``: where the model (:func:`~dpoptim.accounting.pld.model_epsilon`
+    on the grid chosen at ``start``), scaled to the accountant's ``value`` there, equals
+    ``aim``, and the model's -d log epsilon / d log sigma between ``start`` and a probe 1%
+    toward the answer (clipped to 1..50); None where there is no model or it does not
+    fall there. Chord steps on log epsilon against log sigma with that slope, at most
+    :data:`_MODEL_EVALUATIONS` evaluations, until a step moves sigma by under 1e-5: the
+    slope of a wide baseline, because where the grid is coarse for the loss (tiny
+    sigma) the model wobbles by a few tenths of a percent from point to point."""
+    def log_model(x: float) -> float | None:
+        model = model_epsilon(math.exp(x), q, steps, delta, start, value)
+        return math.log(model) if model is not None and 0 < model < math.inf else None
+
+    x = math.log(start)
+    anchored = log_model(x)
+    if anchored is None:
+        return None
+    shift = math.log(value / aim) - anchored  # g(x) = log model(e^x) + shift, 0 at the answer
+    probe = x + math.copysign(0.01, shift + anchored)
+    probed = log_model(probe)
+    if probed is None or not (anchored - probed) / (probe - x) > 0:
+        return None
+    slope = (anchored - probed) / (probe - x)
+    x, g = probe, probed + shift
+    for evaluations in range(2, _MODEL_EVALUATIONS + 1):
+        step = min(max(g / slope, -math.log(2.0)), math.log(2.0))
+        x += step
+        if abs(step) < 1e-5 or evaluations == _MODEL_EVALUATIONS:
+            break
+        log_value = log_model(x)
+        if log_value is None:
+            return None
+        g = log_value + shift
+    return math.exp(x), min(max(slope, 1.0), 50.0)
+
+
+#: Model evaluations :func:`_modelled` may spend (each on a quarter of the accountant's
+#: largest grid, or less).
+_MODEL_EVALUATIONS = 5
 
 
 def _coarse_slope(sigma: float, q: float, steps: int, delta: float) -> float:

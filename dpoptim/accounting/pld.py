@@ -355,6 +355,39 @@ def steering_epsilon(base, sigma: float, q: float, count: int, delta: float, gri
         return None
 
 
+def model_epsilon(sigma: float, q: float, count: int, delta: float, anchor: float, guess: float) -> float | None:
+    """A quick PLD epsilon of ``count`` steps at ``(sigma, q)``, to steer a calibration.
+
+    Computed on one grid for every ``sigma``: the one chosen for ``anchor`` and an
+    epsilon near ``guess``, of at most :data:`_MODEL_POINTS` points. The accountant
+    chooses its grid for each ledger, and where its spacing halves, its epsilon moves by
+    a little; on a fixed grid epsilon is smooth in sigma, so a search near ``anchor``
+    converges in a few steps, and a coarser grid's constant offset from the accountant
+    is measured once and divided out (:func:`~dpoptim.accounting.calibrate.calibrate_noise`).
+    Not a reported value, and not an upper bound away from the anchor (the steps' ends
+    are the anchor's). ``None`` where there is no grid (q = 1, noiseless steps).
+    """
+    if not (0.0 < sigma < math.inf and 0.0 < anchor < math.inf and 0.0 < q < 1.0 and count > 0):
+        return None
+    try:
+        grid = _model_grid(anchor, q, count, delta, guess)
+        deltas = {_REMOVE: delta, _ADD: delta}
+        return _shifted_max(_compose_on(((sigma, q, count),), deltas, grid), 0.0)
+    except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
+        return None
+
+
+#: Largest grid of :func:`model_epsilon`: a quarter of the accountant's largest; where the
+#: accountant needs its largest (tiny q), the model is within about 1.5% of its epsilon
+#: and 3% of its slope in sigma (measured at q = 1e-6).
+_MODEL_POINTS = 2**18
+
+
+@functools.lru_cache(maxsize=8)
+def _model_grid(anchor: float, q: float, count: int, delta: float, guess: float) -> _Grid:
+    return _choose_grid(((anchor, q, count),), delta, AUTO_GRID_POINTS[0], _MODEL_POINTS, guess)
+
+
 @functools.lru_cache(maxsize=8)
 def _steering_groups(runs: tuple) -> tuple | None:
     runs = [run for run in runs if not math.isinf(run[0])]
