@@ -115,6 +115,15 @@ def test_tiny_sigma_is_tight(sigma, q, steps, delta):
     assert_bracketed(upper, mixture_epsilon_lower_bound(sigma, q, steps, delta))
 
 
+@pytest.mark.parametrize("sigma, q, steps, delta", [(0.0162, 1e-4, 10**5, 1e-8), (0.007, 1e-6, 1000, DELTA)])
+def test_tiny_sigma_and_q_get_the_narrow_window(sigma, q, steps, delta):
+    # Adding, the loss at these sigma and q is a constant near q at every quadrature node,
+    # and its zero spread used to refuse the narrow window: the RDP window then left epsilon
+    # 0.5% (and 0.13%) above the mixture's lower twin. Now within 0.1%.
+    upper = epsilon(sigma, q, steps, delta)
+    assert_bracketed(upper, mixture_epsilon_lower_bound(sigma, q, steps, delta), rel=1e-3)
+
+
 def test_tiny_sigma_is_monotone_where_it_used_to_jump():
     # sigma 0.0049 -> 146,615 but 0.0051 -> 1,606,744 before: now a smooth, falling curve.
     sigmas = np.linspace(0.0045, 0.0055, 11)

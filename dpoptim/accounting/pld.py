@@ -850,11 +850,13 @@ def _narrow_guess(steps: tuple, tail: float):
     cuts = {d: tuple(_loss_cut(sigma, q, d, per_run / count) for sigma, q, count in steps) for d in (_REMOVE, _ADD)}
     floors = {d: tuple(_loss_floor(sigma, q, d, per_run / count) for sigma, q, count in steps)
               for d in (_REMOVE, _ADD)}
-    scale = math.inf
-    for direction in (_REMOVE, _ADD):
-        var = sum(count * _loss_moments(sigma, q, direction, cut)[1]
-                  for (sigma, q, count), cut in zip(steps, cuts[direction]))
-        scale = min(scale, math.sqrt(var))
+    # The lambdas scale with the narrower direction's spread; a direction whose loss has
+    # none at the quadrature's nodes (adding, at tiny sigma and q: a constant near q with a
+    # rare lower tail) sets no scale, its Chernoff edges hold at any lambda.
+    spreads = [math.sqrt(sum(count * _loss_moments(sigma, q, direction, cut)[1]
+                             for (sigma, q, count), cut in zip(steps, cuts[direction])))
+               for direction in (_REMOVE, _ADD)]
+    scale = min((spread for spread in spreads if spread > 0), default=0.0)
     if not scale > 0:
         return None
     lambdas = np.geomspace(1e-3, 4.0, 28) * (z / scale)
