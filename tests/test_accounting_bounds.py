@@ -174,9 +174,9 @@ def test_loss_cut_and_floor_leave_at_most_the_budget(sigma, log_q, log_budget, d
 
 def test_calibration_at_a_tiny_sample_rate_takes_few_accountant_evaluations(monkeypatch):
     # The accountant costs a few tenths of a second per evaluation at q = 1e-6 (a grid of
-    # 2^20 points). The model on one grid, scaled to the accountant's value at the start,
-    # lands in the band at the second evaluation or, where the accountant's grid changes
-    # on the way, the third (before it: four to seven).
+    # 2^20 points). The model on one grid puts its first evaluation within a percent or so
+    # of the target, and scaled to the accountant's value there, its second in the band
+    # (before the model: four to seven evaluations).
     calls = []
     accountant = calibrate_module.epsilon_of_ledger
 
@@ -186,11 +186,11 @@ def test_calibration_at_a_tiny_sample_rate_takes_few_accountant_evaluations(monk
         return accountant(runs, delta, name)
 
     monkeypatch.setattr(calibrate_module, "epsilon_of_ledger", counted)
-    for target in (1e-4, 5e-4, 3e-3):
+    for target in (1e-4, 5e-4, 3e-3, 1e3):
         calls.clear()
         sigma = calibrate_noise(target, DELTA, 1e-6, 1000)
         assert target * 0.998 <= accountant([(sigma, 1e-6, 1000)], DELTA) <= target
-        assert sigma in calls and len(calls) <= 3, (target, calls)
+        assert sigma in calls and len(calls) <= 2, (target, calls)
 
 
 # --- brackets for moderate sigma --------------------------------------------------------

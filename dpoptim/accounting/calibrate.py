@@ -13,6 +13,7 @@ never gives more than the target, and the step count never overshoots the budget
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 
@@ -174,15 +175,17 @@ def _gdp_guess(target: float, delta: float, q: float, steps: int) -> float:
 def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: float) -> float:
     """The accountant's own search from the coarse answer ``start``.
 
-    The accountant's value at ``start`` measures the offset of a model there: the PLD on
-    one grid (:func:`~dpoptim.accounting.pld.model_epsilon`), smooth in sigma and a
-    quarter of the accountant's largest grid. The model, scaled by that offset, is solved
-    for the middle of the accepted band (:func:`_modelled`), and the accountant's value
-    there is usually within the band. Where it is not, secant steps on log epsilon against
-    log sigma follow, all on points evaluated with the accountant: slopes from its last
-    two points, or the parabola through its last three. Once a feasible and an infeasible
-    point bracket the answer, :func:`_illinois` narrows the bracket. Only evaluated points
-    are returned, so the answer never overshoots the target (see :func:`_solve`).
+    A model steers it: the PLD on one grid chosen at ``start``, a quarter of the
+    accountant's largest or less (:func:`~dpoptim.accounting.pld.model_epsilon`), smooth
+    in sigma where the accountant's own grid changes with it. The model's own answer
+    (kept within 10% of ``start``) is the first point the accountant evaluates; the
+    model, scaled to the accountant's value there, is solved again (:func:`_modelled`),
+    a small correction, and the accountant's value at that point is usually within the
+    band. Where it is not, secant steps on log epsilon against log sigma follow, all on
+    points evaluated with the accountant: slopes from its last two points, or the
+    parabola through its last three. Once a feasible and an infeasible point bracket the
+    answer, :func:`_illinois` narrows the bracket. Only evaluated points are returned, so
+    the answer never overshoots the target (see :func:`_solve`).
     """
     known: dict[float, float] = {}
 
@@ -193,15 +196,18 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
 
     floor = target * (1.0 - _CALIBRATION_TOLERANCE)
     aim = target * (1.0 - _CALIBRATION_TOLERANCE / 2)
-    sigma, previous = start, None
-    value = accountant(start)
+    model = functools.partial(_modelled, start, pld_epsilon([(start, q, steps)], delta, _COARSE_GRID), aim=aim,
+                              q=q, steps=steps, delta=delta)
+    own = model(start, None, tolerance=1e-3)  # only a start: the model is a percent or so off
+    sigma, previous = (own[0] if own is not None and abs(math.log(own[0] / start)) <= 0.1 else start), None
+    value = accountant(sigma)
     if floor <= value <= target:
-        return start
-    modelled = _modelled(start, value, aim, q, steps, delta) if 0 < value < math.inf else None
+        return sigma
+    modelled = model(sigma, value, slope=own[1] if own is not None else None) if 0 < value < math.inf else None
     if modelled is None:
-        slope = _coarse_slope(start, q, steps, delta)
+        slope = _coarse_slope(sigma, q, steps, delta)
     else:
-        (sigma, slope), previous = modelled, start
+        (sigma, slope), previous = modelled, sigma
     for _ in range(4):
         value = accountant(sigma)
         if floor <= value <= target:
@@ -226,34 +232,40 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
     return _solve(accountant, target, min(feasible) if feasible else max(known), close=True, slope=slope)
 
 
-def _modelled(start: float, value: float, aim: float, q: float, steps: int, delta: float):
+def _modelled(anchor: float, guess: float, start: float, value: float | None, aim: float, q: float, steps: int,
+              delta: float, slope: float | None = None, tolerance: float = 1e-5):
     """``(sigma, slope)``: where the model (:func:`~dpoptim.accounting.pld.model_epsilon`
-    on the grid chosen at ``start``), scaled to the accountant's ``value`` there, equals
-    ``aim``, and the model's -d log epsilon / d log sigma between ``start`` and a probe 1%
-    toward the answer (clipped to 1..50); None where there is no model or it does not
-    fall there. Chord steps on log epsilon against log sigma with that slope, at most
-    :data:`_MODEL_EVALUATIONS` evaluations, until a step moves sigma by under 1e-5: the
+    on the grid chosen at ``anchor`` for an epsilon near ``guess``), scaled to the
+    accountant's ``value`` at ``start`` (None: unscaled), equals ``aim``, and the model's
+    -d log epsilon / d log sigma between ``start`` and a probe 1% toward the answer
+    (clipped to 1..50; ``slope``: known already, no probe); None where there is no model
+    or it does not fall there. Chord
+    steps on log epsilon against log sigma with that slope, at most
+    :data:`_MODEL_EVALUATIONS` evaluations, until a step moves log sigma by under
+    ``tolerance`` (1e-5 moves epsilon by well under the band's 0.1%): the
     slope of a wide baseline, because where the grid is coarse for the loss (tiny
     sigma) the model wobbles by a few tenths of a percent from point to point."""
     def log_model(x: float) -> float | None:
-        model = model_epsilon(math.exp(x), q, steps, delta, start, value)
+        model = model_epsilon(math.exp(x), q, steps, delta, anchor, guess)
         return math.log(model) if model is not None and 0 < model < math.inf else None
 
     x = math.log(start)
     anchored = log_model(x)
-    if anchored is None:
+    if anchored is None or not (value is None or 0 < value < math.inf):
         return None
-    shift = math.log(value / aim) - anchored  # g(x) = log model(e^x) + shift, 0 at the answer
-    probe = x + math.copysign(0.01, shift + anchored)
-    probed = log_model(probe)
-    if probed is None or not (anchored - probed) / (probe - x) > 0:
-        return None
-    slope = (anchored - probed) / (probe - x)
-    x, g = probe, probed + shift
-    for evaluations in range(2, _MODEL_EVALUATIONS + 1):
+    shift = (anchored if value is None else math.log(value)) - anchored - math.log(aim)  # g = log model + shift
+    x, g, evaluations = x, anchored + shift, 1
+    if slope is None:
+        probe = x + math.copysign(0.01, g)
+        probed = log_model(probe)
+        if probed is None or not (anchored - probed) / (probe - x) > 0:
+            return None
+        slope = (anchored - probed) / (probe - x)
+        x, g, evaluations = probe, probed + shift, 2
+    for evaluations in range(evaluations, _MODEL_EVALUATIONS + 1):
         step = min(max(g / slope, -math.log(2.0)), math.log(2.0))
         x += step
-        if abs(step) < 1e-5 or evaluations == _MODEL_EVALUATIONS:
+        if abs(step) < tolerance or evaluations == _MODEL_EVALUATIONS:
             break
         log_value = log_model(x)
         if log_value is None:
