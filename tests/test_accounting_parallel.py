@@ -28,13 +28,13 @@ def test_side_by_side_gives_the_same_epsilon_as_one_after_the_other(runs, monkey
     alone = pld_module.pld_epsilon(runs, DELTA)
     fresh(monkeypatch, 2)
     threads = []
-    compose = pld_module._direction_epsilon
+    compose = pld_module._compose_direction
 
     def spy(*args, **kwargs):
         threads.append(threading.current_thread().name)
         return compose(*args, **kwargs)
 
-    monkeypatch.setattr(pld_module, "_direction_epsilon", spy)
+    monkeypatch.setattr(pld_module, "_compose_direction", spy)
     assert pld_module.pld_epsilon(runs, DELTA) == alone
     assert any(name.startswith("dpoptim-accounting") for name in threads)  # it did run beside
     assert threading.current_thread().name in threads

@@ -258,7 +258,8 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool
     bounded = tuple(Run(*step) for step in steps) if mixture else noisy
     ceiling = math.inf if lower else _other_bounds(bounded, rest_delta)
     try:
-        pld = _shifted_max(_compose_and_invert(tuple(steps), deltas, grid_points, lower, ceiling, mixture), shift)
+        pld = _shifted_max(_compose_and_invert(tuple(steps), deltas, grid_points, lower, ceiling, mixture, shift),
+                           shift)
     except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
         pld = 0.0 if lower else math.inf  # no PLD answer here: the other bounds stand
     if lower:
@@ -433,7 +434,7 @@ class _Grid:
 
 
 def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, lower: bool = False,
-                        ceiling: float = math.inf, mixture=None) -> dict:
+                        ceiling: float = math.inf, mixture=None, shift: float = 0.0) -> dict:
     """Epsilon of each direction, each at its own delta, on one grid.
 
     ``grid_points=None``: the grid is sized from the RDP guess of epsilon (see
@@ -441,9 +442,10 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
     where it fails, unless that answer is at or above ``ceiling``: another sound bound
     that the caller reports instead, so that a finer grid would not change the result.
     ``mixture``: mixture groups (:mod:`.mixture`) composed in place of ``steps``, their
-    corners, which size the grid."""
+    corners, which size the grid. ``shift``: added to the add direction's epsilon by the
+    caller (see :func:`_compose_on`)."""
     delta = min(deltas.values())
-    compose_on = _lower_on if lower else functools.partial(_compose_on, mixture=mixture)
+    compose_on = _lower_on if lower else functools.partial(_compose_on, mixture=mixture, shift=shift)
     if grid_points is not None:
         return compose_on(steps, deltas, _choose_grid(steps, delta, _fft_size(grid_points)))
     first, last = AUTO_GRID_POINTS
@@ -465,9 +467,51 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
     return epsilons
 
 
-def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None) -> dict:
-    return _both_directions(
-        lambda direction: _direction_epsilon(steps, direction, grid, deltas[direction], mixture=mixture))
+def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: float = 0.0) -> dict:
+    """Epsilon of each direction on ``grid``: both composed side by side in float64, then
+    refined where rounding decides a direction's answer (:func:`_refined`), unless that
+    direction cannot set the reported ``max(remove, add + shift)``. Refining only lowers
+    a value (the smaller of sound answers is kept), so a direction already below the
+    other's final value leaves the maximum as it is: the larger is refined first (on a
+    tie, both), then the other if it is now at least as large. The result is the maximum
+    that refining both would give."""
+    def compose(direction: str, on: _Grid, dtype) -> tuple[float, bool]:
+        return _compose_direction(steps, direction, on, deltas[direction], dtype, mixture=mixture)
+
+    first = _both_directions(lambda direction: compose(direction, grid, np.float64))
+    epsilons = {direction: value for direction, (value, _) in first.items()}
+    offsets = {_REMOVE: 0.0, _ADD: shift}
+    for direction in sorted(epsilons, key=lambda d: epsilons[d] + offsets[d], reverse=True):
+        other = _ADD if direction == _REMOVE else _REMOVE
+        if first[direction][1] and epsilons[direction] + offsets[direction] >= epsilons[other] + offsets[other]:
+            epsilons[direction] = _refined(functools.partial(compose, direction), grid, epsilons[direction])
+    return epsilons
+
+
+def _refined(compose, grid: _Grid, value: float) -> float:
+    """The smallest of ``value`` (float64 on ``grid``, rounding-bound) and the answers of
+    ``compose(grid, dtype)`` in extended precision and then, while rounding still decides,
+    at a quarter and a sixteenth of the tilt.
+
+    The rounding allowance grows with the untilting factor e^{cgf - tilt * loss} at the
+    answer. The tilt is Chernoff-optimal at delta for the grid's distributions, which
+    for a few steps at tiny q sits far above the answer (one step at q 3.8e-5: a tilt of
+    32 where 8 centres it), and no precision recovers from that. Any tilt is sound (what
+    wraps around can only raise delta; :func:`_choose_tilt`): each answer is an upper
+    bound, and so is their minimum.
+    """
+    binding = True
+    for tilt in (grid.tilt, grid.tilt / 4.0, grid.tilt / 16.0):
+        if not (binding and tilt > 0.0):
+            break
+        on = grid if tilt == grid.tilt else dataclasses.replace(grid, tilt=tilt)
+        if on is not grid:
+            answer, binding = compose(on, np.float64)
+            value = min(value, answer)
+        if binding and _EXTENDED_U < _U:
+            answer, binding = compose(on, np.longdouble)
+            value = min(value, answer)
+    return value
 
 
 def _lower_on(steps: tuple, deltas: dict, grid: _Grid) -> dict:
@@ -552,9 +596,12 @@ def _choose_grid(steps: tuple, delta: float, n: int, last: int | None = None, gu
         at_last = n >= last
         try:  # a window usually fits at once or after one doubling; else try more points
             window = _window(steps, tail, n, 64 if at_last else 4)
-        except FloatingPointError:  # the loss spread at this size outgrows any window
-            if at_last:
-                raise
+        except FloatingPointError:  # the loss spread at this size outgrows any RDP window
+            if at_last:  # a certified narrow one may still hold it (tiny sigma, 10^8 steps)
+                narrow = _narrow_grid(steps, n, math.inf, tail, delta)
+                if not isinstance(narrow, _Grid):
+                    raise
+                return narrow
             n *= 2
             continue
         # Not the last size: the narrow grid is only certified when it could end the
