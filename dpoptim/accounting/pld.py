@@ -491,26 +491,30 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
 def _refined(compose, grid: _Grid, value: float) -> float:
     """The smallest of ``value`` (float64 on ``grid``, rounding-bound) and the answers of
     ``compose(grid, dtype)`` in extended precision and then, while rounding still decides,
-    at a quarter and a sixteenth of the tilt.
+    at a quarter and a sixteenth of the tilt, as long as a smaller tilt helps in float64.
 
     The rounding allowance grows with the untilting factor e^{cgf - tilt * loss} at the
     answer. The tilt is Chernoff-optimal at delta for the grid's distributions, which
     for a few steps at tiny q sits far above the answer (one step at q 3.8e-5: a tilt of
-    32 where 8 centres it), and no precision recovers from that. Any tilt is sound (what
-    wraps around can only raise delta; :func:`_choose_tilt`): each answer is an upper
-    bound, and so is their minimum.
+    32 where 8 centres it), and no precision recovers from that. Where the tilt is not
+    above the answer, a smaller one only loses: the first float64 answer that is no
+    better ends the search. Any tilt is sound (what wraps around can only raise delta;
+    :func:`_choose_tilt`): each answer is an upper bound, and so is their minimum.
     """
-    binding = True
-    for tilt in (grid.tilt, grid.tilt / 4.0, grid.tilt / 16.0):
-        if not (binding and tilt > 0.0):
-            break
-        on = grid if tilt == grid.tilt else dataclasses.replace(grid, tilt=tilt)
+    binding, tilt, on = True, grid.tilt, grid
+    for _ in range(3):
         if on is not grid:
             answer, binding = compose(on, np.float64)
-            value = min(value, answer)
+            if not answer < value:
+                break  # a smaller tilt does not help here
+            value = answer
         if binding and _EXTENDED_U < _U:
             answer, binding = compose(on, np.longdouble)
             value = min(value, answer)
+        tilt /= 4.0
+        if not (binding and tilt > 0.0):
+            break
+        on = dataclasses.replace(grid, tilt=tilt)
     return value
 
 
@@ -897,16 +901,20 @@ def _narrow_guess(steps: tuple, tail: float):
     cuts = {d: tuple(_loss_cut(sigma, q, d, per_run / count) for sigma, q, count in steps) for d in (_REMOVE, _ADD)}
     floors = {d: tuple(_loss_floor(sigma, q, d, per_run / count) for sigma, q, count in steps)
               for d in (_REMOVE, _ADD)}
-    # The lambdas scale with the narrower direction's spread; a direction whose loss has
-    # none at the quadrature's nodes (adding, at tiny sigma and q: a constant near q with a
-    # rare lower tail) sets no scale, its Chernoff edges hold at any lambda.
+    # The lambdas scale with each direction's spread; a direction whose loss has none at
+    # the quadrature's nodes (adding, at tiny sigma and q: a constant near q with a rare
+    # lower tail) sets no scale, its Chernoff edges hold at any lambda. Where the two
+    # spreads differ by more than 4 times (tiny sigma over many steps), both ranges are
+    # kept: the wider direction's edges need its own, smaller lambdas.
     spreads = [math.sqrt(sum(count * _loss_moments(sigma, q, direction, cut)[1]
                              for (sigma, q, count), cut in zip(steps, cuts[direction])))
                for direction in (_REMOVE, _ADD)]
-    scale = min((spread for spread in spreads if spread > 0), default=0.0)
-    if not scale > 0:
+    scales = sorted(spread for spread in spreads if spread > 0)
+    if not scales:
         return None
-    lambdas = np.geomspace(1e-3, 4.0, 28) * (z / scale)
+    if scales[-1] > 4.0 * scales[0]:
+        scales = [scales[0], scales[-1]]
+    lambdas = np.unique(np.concatenate([np.geomspace(1e-3, 4.0, 28) * (z / scale) for scale in scales[:2]]))
     lambdas.setflags(write=False)
     low, high = 0.0, -math.inf
     for direction in (_REMOVE, _ADD):
