@@ -239,12 +239,11 @@ def _modelled(anchor: float, guess: float, start: float, value: float | None, ai
     accountant's ``value`` at ``start`` (None: unscaled), equals ``aim``, and the model's
     -d log epsilon / d log sigma between ``start`` and a probe 1% toward the answer
     (clipped to 1..50; ``slope``: known already, no probe); None where there is no model
-    or it does not fall there. Chord
-    steps on log epsilon against log sigma with that slope, at most
-    :data:`_MODEL_EVALUATIONS` evaluations, until a step moves log sigma by under
-    ``tolerance`` (1e-5 moves epsilon by well under the band's 0.1%): the
-    slope of a wide baseline, because where the grid is coarse for the loss (tiny
-    sigma) the model wobbles by a few tenths of a percent from point to point."""
+    or it does not fall there. Chord steps on log epsilon against log sigma with that
+    slope, at most :data:`_MODEL_EVALUATIONS` evaluations, until a step moves log sigma by
+    under ``tolerance`` (1e-5 moves epsilon by well under the band's 0.1%): the slope of a
+    wide baseline, because where the grid is coarse for the loss (tiny sigma) the model
+    wobbles by a few tenths of a percent from point to point."""
     def log_model(x: float) -> float | None:
         model = model_epsilon(math.exp(x), q, steps, delta, anchor, guess)
         return math.log(model) if model is not None and 0 < model < math.inf else None
@@ -254,7 +253,7 @@ def _modelled(anchor: float, guess: float, start: float, value: float | None, ai
     if anchored is None or not (value is None or 0 < value < math.inf):
         return None
     shift = (anchored if value is None else math.log(value)) - anchored - math.log(aim)  # g = log model + shift
-    x, g, evaluations = x, anchored + shift, 1
+    g, evaluations = anchored + shift, 1
     if slope is None:
         probe = x + math.copysign(0.01, g)
         probed = log_model(probe)

@@ -1564,18 +1564,18 @@ def _dead_cuts(spectra: np.ndarray, counts: np.ndarray) -> list[tuple[int, float
 
 
 def _direction_epsilon(steps, direction, grid: _Grid, delta, head: int = 0, mixture=None) -> float:
-    """Epsilon of one direction; in extended precision when rounding decides the answer.
+    """Epsilon of one direction, refined where rounding decides the answer (:func:`_refined`).
 
     Where the floating-point allowance makes up a noticeable part of delta at the answer
     (tiny q with tiny delta, or billions of steps), the composition is repeated in the
     platform's extended precision (80-bit on x86), whose allowance is ~2000 times smaller.
-    Both results are sound; the smaller is returned. ``head``: see :func:`_compose_direction`.
+    All results are sound; the smallest is returned. ``head``: see :func:`_compose_direction`.
     """
-    epsilon, binding = _compose_direction(steps, direction, grid, delta, np.float64, head=head, mixture=mixture)
-    if binding and _EXTENDED_U < _U:
-        epsilon = min(epsilon, _compose_direction(steps, direction, grid, delta, np.longdouble, head=head,
-                                                  mixture=mixture)[0])
-    return epsilon
+    def compose(on: _Grid, dtype) -> tuple[float, bool]:
+        return _compose_direction(steps, direction, on, delta, dtype, head=head, mixture=mixture)
+
+    epsilon, binding = compose(grid, np.float64)
+    return _refined(compose, grid, epsilon) if binding else epsilon
 
 
 def _direction_lower(steps, direction, grid: _Grid, delta) -> float:
