@@ -127,6 +127,9 @@ def test_tiny_sigma_and_q_get_the_narrow_window(sigma, q, steps, delta):
     # sigma 0.057, where the removal direction's spread is 10^4 times the addition's, and
     # the lambdas scaled to the smaller one gave absurd Chernoff edges). Now the narrow
     # window is tried there too, with lambdas for each direction's scale: within 0.1%.
+    # At sigma 0.0407 the removal window may start at loss 0, above the per-step floor
+    # log(1 - q): rounding each step's floor up to the window's bottom added T q = 470
+    # (0.27%); a step's bottom may now lie below the window's.
     upper = epsilon(sigma, q, steps, delta)
     assert_bracketed(upper, mixture_epsilon_lower_bound(sigma, q, steps, delta), rel=1e-3)
 
@@ -146,6 +149,15 @@ def test_tiny_sample_rate_with_a_small_epsilon_is_tight(sigma):
     # and epsilon came out up to 17% high (1.97e-4 against 1.68e-4 at sigma 0.584).
     upper = epsilon(sigma, 1e-6, 1000, DELTA)
     assert_bracketed(upper, pld_epsilon_lower_bound([(sigma, 1e-6, 1000)], DELTA, grid_points=2**17))
+
+
+def test_tiny_sample_rate_over_few_steps_is_tight():
+    # q = 1e-6, 100 steps, epsilon 9.5e-5: a step's loss is 1e-6 wide in its body but
+    # reaches 0.58 in its rare tail. The narrow window's lambdas were scaled to the body
+    # alone, so the Chernoff edges missed the tail, two of three windows failed their
+    # certificate and the widest was kept: 9.84e-5, 4% above (9% at sigma 0.44629891393).
+    upper = epsilon(0.4464, 1e-6, 100, DELTA)
+    assert_bracketed(upper, pld_epsilon_lower_bound([(0.4464, 1e-6, 100)], DELTA, grid_points=2**18))
 
 
 @settings(max_examples=60, deadline=None)
@@ -641,6 +653,27 @@ def test_calibration_search_returns_an_evaluated_point_in_the_band(power, jump):
     assert sigma in evaluated
     assert target * 0.998 <= evaluated[sigma] <= target
     assert len(evaluated) <= 8
+
+
+def test_calibration_stops_at_a_jump_over_the_band():
+    # Where the accountant's grid changes with sigma its epsilon may jump by up to its own
+    # error, here 1% across the accepted band: no sigma lands in it. The search used to
+    # narrow its bracket to 1e-12 (50 evaluations, 13 s at q = 1e-6); it now ends within
+    # 2e-4 of the jump, on the feasible side.
+    evaluated = {}
+    jump_at = math.log(0.61)
+
+    def eps_of(sigma):
+        x = math.log(sigma)
+        value = math.exp(-2.0 * x) * (1.01 if x < jump_at else 1.0)
+        evaluated[sigma] = value
+        return value
+
+    target = math.exp(-2.0 * jump_at) * 1.005
+    sigma = calibrate_module._finish(eps_of, target, 0.7, 0.01, 1000, DELTA)
+    assert sigma in evaluated and evaluated[sigma] <= target
+    assert 0 <= math.log(sigma) - jump_at <= 2e-4
+    assert len(evaluated) <= 12
 
 
 def test_inverse_quadratic_finds_the_root_of_a_parabola():

@@ -91,7 +91,9 @@ def calibrate_noise(target_epsilon, delta, sample_rate, steps, accountant: str =
     """The noise multiplier that spends ``target_epsilon`` over ``steps`` steps.
 
     The result ``sigma`` satisfies ``epsilon(sigma, ...) <= target_epsilon`` and, up to a
-    relative 0.2%, equals it: no noise is wasted. Zero steps need no noise (returns 0),
+    relative 0.2%, equals it: no noise is wasted. (Where the accountant's epsilon jumps
+    over that band as its grid changes with sigma, no sigma meets it: the result is then
+    within a relative 2e-4 above the sigma of the jump.) Zero steps need no noise (returns 0),
     and neither does a run so short that even noiseless steps meet the target
     (``1 - (1 - q)^steps <= delta``: the run is ``(0, delta)``-DP without noise).
 
@@ -184,8 +186,9 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
     band. Where it is not, secant steps on log epsilon against log sigma follow, all on
     points evaluated with the accountant: slopes from its last two points, or the
     parabola through its last three. Once a feasible and an infeasible point bracket the
-    answer, :func:`_illinois` narrows the bracket. Only evaluated points are returned, so
-    the answer never overshoots the target (see :func:`_solve`).
+    answer, :func:`_illinois` narrows the bracket, down to :data:`_JUMP_RESOLUTION`.
+    Only evaluated points are returned, so the answer never overshoots the target (see
+    :func:`_solve`).
     """
     known: dict[float, float] = {}
 
@@ -217,7 +220,8 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
         feasible = [s for s, v in known.items() if v <= target]
         infeasible = [s for s, v in known.items() if v > target]
         if feasible and infeasible and max(infeasible) < min(feasible):
-            return _illinois(accountant, target, floor, max(infeasible), min(feasible), earlier=list(known))
+            return _illinois(accountant, target, floor, max(infeasible), min(feasible), earlier=list(known),
+                             resolution=_JUMP_RESOLUTION)
         if previous is not None and 0 < known[previous] < math.inf and known[previous] != value:
             slope = min(max(math.log(value / known[previous]) / math.log(previous / sigma), 1.0), 50.0)
         step = min(max((value / aim) ** (1.0 / slope), 0.5), 2.0)
@@ -229,7 +233,15 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
         if sigma in known:
             break
     feasible = [s for s, v in known.items() if v <= target]
-    return _solve(accountant, target, min(feasible) if feasible else max(known), close=True, slope=slope)
+    return _solve(accountant, target, min(feasible) if feasible else max(known), close=True, slope=slope,
+                  resolution=_JUMP_RESOLUTION)
+
+
+#: The accountant's epsilon can jump where its grid changes with sigma, by up to its own
+#: error (under a percent), and a jump may step over the accepted band: no sigma lands in
+#: it. The search then ends once its bracket on log sigma is this narrow, with the
+#: bracket's feasible end: at most this much more noise than at the jump.
+_JUMP_RESOLUTION = 2e-4
 
 
 def _modelled(anchor: float, guess: float, start: float, value: float | None, aim: float, q: float, steps: int,

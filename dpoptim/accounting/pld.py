@@ -418,7 +418,8 @@ class _Grid:
 
     Losses are ``k * spacing``; the circular window holds indices ``i_low .. i_low + n - 1``.
     ``bottoms[direction][r]`` (``None``: ``i_low`` for all) is the lowest grid index kept
-    for step ``r`` (its mass below is rounded up to it) and
+    for step ``r`` (its mass below is rounded up to it; it may lie below ``i_low``, the
+    composition being circular, as long as the step's support is shorter than ``n``) and
     ``tops[direction][r]`` is the highest grid index kept for step ``r`` (its mass above goes
     to +inf), ``tail`` a certified bound on the composed mass beyond the window top and
     ``tilt`` the exponential tilt used in the transform (see :func:`_direction_epsilon`).
@@ -914,7 +915,14 @@ def _narrow_guess(steps: tuple, tail: float):
         return None
     if scales[-1] > 4.0 * scales[0]:
         scales = [scales[0], scales[-1]]
-    lambdas = np.unique(np.concatenate([np.geomspace(1e-3, 4.0, 28) * (z / scale) for scale in scales[:2]]))
+    ranges = [np.geomspace(1e-3, 4.0, 28) * (z / scale) for scale in scales[:2]]
+    # A rare large loss (tiny q: the example's step, far out) can decide the edges where the
+    # body's spread is tiny: lambdas near log(1/tail) / extent, the extent a step's largest
+    # loss in size, bound what it adds.
+    extent = max(max(abs(c), abs(f)) for d in (_REMOVE, _ADD) for c, f in zip(cuts[d], floors[d]))
+    if 0 < extent < math.inf:
+        ranges.append(np.geomspace(1.0 / 64.0, 2.0, 8) * (z * z / 2.0 / extent))
+    lambdas = np.unique(np.concatenate(ranges))
     lambdas.setflags(write=False)
     low, high = 0.0, -math.inf
     for direction in (_REMOVE, _ADD):
@@ -936,13 +944,17 @@ def _certified_grid(steps, n, spacing, low, top_guess, ends, lambdas, tail, delt
     ``ends`` holds per direction each step's floor and cut losses: its mass below the
     floor is rounded up to the floor's grid point (a loss rounded up never helps), its
     mass above the cut goes to +inf. The certificates are computed from exactly the
-    distributions that will be composed, so they hold whatever the floors.
+    distributions that will be composed, so they hold whatever the floors. A floor below
+    the window's bottom is kept: the composition is circular, and what the composed loss
+    puts below the bottom is what the second certificate bounds. (Rounding it up to the
+    bottom instead cost ``T log(1/(1-q))`` where the window starts at loss 0 above a
+    removal floor of ``log(1-q)``: 470, or 0.27%, at sigma 0.0407, q 1e-4, 4.7e6 steps.)
     """
     floors, cuts = ends
     i_low = _snap(n) * math.floor(low / spacing / _snap(n))  # certified below
     i_top = min(math.floor(top_guess / spacing), i_low + n - 1)
     tops = {d: tuple(min(i_top, math.ceil(c / spacing)) for c in cuts[d]) for d in cuts}
-    bottoms = {d: tuple(min(max(i_low, math.floor(f / spacing)), top) for f, top in zip(floors[d], tops[d]))
+    bottoms = {d: tuple(min(max(top - n + 2, math.floor(f / spacing)), top) for f, top in zip(floors[d], tops[d]))
                for d in floors}
     beyond = (i_low + n) * spacing  # composed indices from here on would wrap
     def composed_log_mgfs(direction):  # each direction's distributions, computed side by side
