@@ -160,6 +160,14 @@ def test_tiny_sample_rate_over_few_steps_is_tight():
     assert_bracketed(upper, pld_epsilon_lower_bound([(0.4464, 1e-6, 100)], DELTA, grid_points=2**18))
 
 
+def test_tiny_sample_rate_with_epsilon_far_below_the_window_cuts_shorter():
+    # q = 1e-6, 30 steps, epsilon 3e-5: the rare tail, cut at a 2^-16 share of delta,
+    # spans a window 4 wide, and at the largest grid a bin was a fifth of epsilon: 3.25e-5,
+    # 7% above the lower bound. A second window, cut at a 2^-10 share, is 4 times narrower.
+    upper = epsilon(0.37908, 1e-6, 30, DELTA)
+    assert_bracketed(upper, pld_epsilon_lower_bound([(0.37908, 1e-6, 30)], DELTA, grid_points=2**20), rel=0.015)
+
+
 @settings(max_examples=60, deadline=None)
 @given(sigma=st.floats(0.01, 20.0), log_q=st.floats(math.log(1e-9), math.log(0.999)),
        log_budget=st.floats(math.log(1e-40), math.log(0.4)), direction=st.sampled_from(["remove", "add"]))
@@ -205,11 +213,13 @@ def test_calibration_at_a_tiny_sample_rate_takes_few_accountant_evaluations(monk
         return accountant(runs, delta, name)
 
     monkeypatch.setattr(calibrate_module, "epsilon_of_ledger", counted)
-    for target in (1e-4, 5e-4, 3e-3, 1e3):
+    # 30 steps, target 1e-4: the model's grid was a bin per third of epsilon and its answer
+    # 11% from the coarse one, beyond the 10% it was trusted: four evaluations, 2.9 s.
+    for target, steps in ((1e-4, 1000), (5e-4, 1000), (3e-3, 1000), (1e3, 1000), (1e-4, 30)):
         calls.clear()
-        sigma = calibrate_noise(target, DELTA, 1e-6, 1000)
-        assert target * 0.998 <= accountant([(sigma, 1e-6, 1000)], DELTA) <= target
-        assert sigma in calls and len(calls) <= 2, (target, calls)
+        sigma = calibrate_noise(target, DELTA, 1e-6, steps)
+        assert target * 0.998 <= accountant([(sigma, 1e-6, steps)], DELTA) <= target
+        assert sigma in calls and len(calls) <= 2, (target, steps, calls)
 
 
 # --- brackets for moderate sigma --------------------------------------------------------

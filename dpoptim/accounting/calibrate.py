@@ -180,15 +180,14 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
     A model steers it: the PLD on one grid chosen at ``start``, a quarter of the
     accountant's largest or less (:func:`~dpoptim.accounting.pld.model_epsilon`), smooth
     in sigma where the accountant's own grid changes with it. The model's own answer
-    (kept within 10% of ``start``) is the first point the accountant evaluates; the
+    (at most 0.25 from ``start`` in log sigma) is the first point the accountant evaluates; the
     model, scaled to the accountant's value there, is solved again (:func:`_modelled`),
     a small correction, and the accountant's value at that point is usually within the
     band. Where it is not, secant steps on log epsilon against log sigma follow, all on
     points evaluated with the accountant: slopes from its last two points, or the
     parabola through its last three. Once a feasible and an infeasible point bracket the
-    answer, :func:`_illinois` narrows the bracket, down to :data:`_JUMP_RESOLUTION`.
-    Only evaluated points are returned, so the answer never overshoots the target (see
-    :func:`_solve`).
+    answer, :func:`_illinois` narrows the bracket (to :data:`_JUMP_RESOLUTION` at most).
+    Only evaluated points are returned: the answer never overshoots (see :func:`_solve`).
     """
     known: dict[float, float] = {}
 
@@ -202,7 +201,7 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
     model = functools.partial(_modelled, start, pld_epsilon([(start, q, steps)], delta, _COARSE_GRID), aim=aim,
                               q=q, steps=steps, delta=delta)
     own = model(start, None, tolerance=1e-3)  # only a start: the model is a percent or so off
-    sigma, previous = (own[0] if own is not None and abs(math.log(own[0] / start)) <= 0.1 else start), None
+    sigma, previous = (own[0] if own is not None and abs(math.log(own[0] / start)) <= _MODEL_REACH else start), None
     value = accountant(sigma)
     if floor <= value <= target:
         return sigma
@@ -284,6 +283,10 @@ def _modelled(anchor: float, guess: float, start: float, value: float | None, ai
         g = log_value + shift
     return math.exp(x), min(max(slope, 1.0), 50.0)
 
+
+#: How far (in log sigma) from the coarse answer the model's own answer is trusted as the
+#: accountant's first point: at tiny q the coarse PLD is 10% off, the model 1% or so.
+_MODEL_REACH = 0.25
 
 #: Model evaluations :func:`_modelled` may spend (each on a quarter of the accountant's
 #: largest grid, or less).
