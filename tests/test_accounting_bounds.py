@@ -168,6 +168,15 @@ def test_tiny_sample_rate_with_epsilon_far_below_the_window_cuts_shorter():
     assert_bracketed(upper, pld_epsilon_lower_bound([(0.37908, 1e-6, 30)], DELTA, grid_points=2**20), rel=0.015)
 
 
+def test_tiny_delta_at_a_tiny_sample_rate_tries_a_coarser_grid_where_rounding_decides():
+    # delta 1e-12, q 1e-6, 1000 steps: the spread test asks for the largest grid, whose
+    # rounding allowance, summed over a million entries above the answer, is most of
+    # delta even in extended precision: 0.0980, 4.2% above the lower bound (and a 2.4%
+    # jump in sigma nearby). The coarsest grid fine for the answer gives 0.0950.
+    upper = epsilon(0.57538, 1e-6, 1000, 1e-12)
+    assert_bracketed(upper, pld_epsilon_lower_bound([(0.57538, 1e-6, 1000)], 1e-12, grid_points=2**18), rel=0.015)
+
+
 @settings(max_examples=60, deadline=None)
 @given(sigma=st.floats(0.01, 20.0), log_q=st.floats(math.log(1e-9), math.log(0.999)),
        log_budget=st.floats(math.log(1e-40), math.log(0.4)), direction=st.sampled_from(["remove", "add"]))
@@ -684,6 +693,25 @@ def test_calibration_stops_at_a_jump_over_the_band():
     assert sigma in evaluated and evaluated[sigma] <= target
     assert 0 <= math.log(sigma) - jump_at <= 2e-4
     assert len(evaluated) <= 12
+
+
+def test_calibration_brackets_with_an_epsilon_of_zero(monkeypatch):
+    # q = 1e-6 over 10^6 steps at delta 0.1: epsilon falls to 0 at a finite sigma (q T
+    # against delta). A second point with epsilon 0 used to end the secant steps and the
+    # search restarted below, from half that sigma up: 17 accountant evaluations. A point
+    # above the target and one at 0 bracket the answer: Illinois from there.
+    calls = []
+    accountant = calibrate_module.epsilon_of_ledger
+
+    def counted(runs, delta, name="pld"):
+        if name == "pld" and runs[0][0] > 0:
+            calls.append(runs[0][0])
+        return accountant(runs, delta, name)
+
+    monkeypatch.setattr(calibrate_module, "epsilon_of_ledger", counted)
+    sigma = calibrate_noise(1e-2, 0.1, 1e-6, 10**6)
+    assert 1e-2 * 0.998 <= accountant([(sigma, 1e-6, 10**6)], 0.1) <= 1e-2
+    assert sigma in calls and len(calls) <= 9, calls
 
 
 def test_inverse_quadratic_finds_the_root_of_a_parabola():

@@ -214,13 +214,11 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
         value = accountant(sigma)
         if floor <= value <= target:
             return sigma
+        bracket = _bracket(known, target)  # an epsilon of 0 (q T near delta) ends a bracket too
+        if bracket is not None:
+            return _illinois(accountant, target, floor, *bracket, earlier=list(known), resolution=_JUMP_RESOLUTION)
         if not 0 < value < math.inf:
             break
-        feasible = [s for s, v in known.items() if v <= target]
-        infeasible = [s for s, v in known.items() if v > target]
-        if feasible and infeasible and max(infeasible) < min(feasible):
-            return _illinois(accountant, target, floor, max(infeasible), min(feasible), earlier=list(known),
-                             resolution=_JUMP_RESOLUTION)
         if previous is not None and 0 < known[previous] < math.inf and known[previous] != value:
             slope = min(max(math.log(value / known[previous]) / math.log(previous / sigma), 1.0), 50.0)
         step = min(max((value / aim) ** (1.0 / slope), 0.5), 2.0)
@@ -234,6 +232,16 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
     feasible = [s for s, v in known.items() if v <= target]
     return _solve(accountant, target, min(feasible) if feasible else max(known), close=True, slope=slope,
                   resolution=_JUMP_RESOLUTION)
+
+
+def _bracket(known: dict, target: float) -> tuple[float, float] | None:
+    """``(low, high)``: the largest infeasible and the smallest feasible sigma evaluated,
+    where both exist and the first is below the second; else None."""
+    feasible = [sigma for sigma, value in known.items() if value <= target]
+    infeasible = [sigma for sigma, value in known.items() if value > target]
+    if feasible and infeasible and max(infeasible) < min(feasible):
+        return max(infeasible), min(feasible)
+    return None
 
 
 #: The accountant's epsilon can jump where its grid changes with sigma, by up to its own

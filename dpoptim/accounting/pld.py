@@ -454,7 +454,8 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
     corners, which size the grid. ``shift``: added to the add direction's epsilon by the
     caller (see :func:`_compose_on`)."""
     delta = min(deltas.values())
-    compose_on = _lower_on if lower else functools.partial(_compose_on, mixture=mixture, shift=shift)
+    bound: set = set()  # the directions whose float64 answer rounding decided
+    compose_on = _lower_on if lower else functools.partial(_compose_on, mixture=mixture, shift=shift, bound=bound)
     if grid_points is not None:
         return compose_on(steps, deltas, _choose_grid(steps, delta, _fft_size(grid_points)))
     first, last = AUTO_GRID_POINTS
@@ -476,7 +477,31 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
         epsilons = compose_on(steps, deltas, grid)
     if not lower and grid.n >= last and guess < ceiling and grid.spacing > _BIN_SHARE * guess:
         epsilons = _with_shorter_cuts(steps, deltas, grid, epsilons, compose_on)
+    if bound and grid.n > first and guess < ceiling:
+        epsilons = _with_coarser_grid(steps, deltas, grid, epsilons, compose_on, first)
     return epsilons
+
+
+def _with_coarser_grid(steps: tuple, deltas: dict, grid: _Grid, epsilons: dict, compose_on, first: int) -> dict:
+    """Each direction's smaller epsilon of ``grid`` and of the coarsest grid fine for the
+    answer by :func:`_shift_fine` alone, where rounding decided an answer.
+
+    The rounding allowance is summed over the entries above the answer, so it grows with
+    the points per unit of loss: at tiny delta and q the spread test (:func:`_spread_share`,
+    for long runs, against the variance of a loss that is a spike near 0 at tiny q) asks
+    for the largest grid, whose allowance is then most of delta even in extended precision.
+    Sigma 0.575, q 1e-6, 1000 steps, delta 1e-12: 0.1010 at 2^20 points, 0.0961 at 2^14,
+    whose bins are 0.25% of epsilon; the rigorous lower bound is 0.0948. Both answers are
+    sound upper bounds, and so is the smaller."""
+    answer = max(epsilons.values())
+    try:
+        coarse = _choose_grid(steps, min(deltas.values()), first, grid.n // 4, answer, spread=False)
+        if not (coarse.n < grid.n and _shift_fine(steps, coarse.spacing, answer)):
+            return epsilons
+        other = compose_on(steps, deltas, coarse)
+    except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
+        return epsilons  # the first answer stands
+    return {direction: min(value, other[direction]) for direction, value in epsilons.items()}
 
 #: The share of delta :func:`_with_shorter_cuts` lets the steps' cuts send to +inf.
 _SHORT_CUT_FRACTION = 2.0**-10
@@ -502,14 +527,15 @@ def _with_shorter_cuts(steps: tuple, deltas: dict, grid: _Grid, epsilons: dict, 
     return {direction: min(value, other[direction]) for direction, value in epsilons.items()}
 
 
-def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: float = 0.0) -> dict:
+def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: float = 0.0,
+                bound: set | None = None) -> dict:
     """Epsilon of each direction on ``grid``: both composed side by side in float64, then
     refined where rounding decides a direction's answer (:func:`_refined`), unless that
     direction cannot set the reported ``max(remove, add + shift)``. Refining only lowers
     a value (the smaller of sound answers is kept), so a direction already below the
     other's final value leaves the maximum as it is: the larger is refined first (on a
     tie, both), then the other if it is now at least as large. The result is the maximum
-    that refining both would give."""
+    that refining both would give. Each direction refined is added to ``bound``."""
     def compose(direction: str, on: _Grid, dtype) -> tuple[float, bool]:
         return _compose_direction(steps, direction, on, deltas[direction], dtype, mixture=mixture)
 
@@ -520,6 +546,8 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
         other = _ADD if direction == _REMOVE else _REMOVE
         if first[direction][1] and epsilons[direction] + offsets[direction] >= epsilons[other] + offsets[other]:
             epsilons[direction] = _refined(functools.partial(compose, direction), grid, epsilons[direction])
+            if bound is not None:
+                bound.add(direction)
     return epsilons
 
 
@@ -621,12 +649,13 @@ def _shift_fine(steps: tuple, spacing: float, epsilon: float) -> bool:
 
 
 def _choose_grid(steps: tuple, delta: float, n: int, last: int | None = None, guess: float | None = None,
-                 shift_until: int | None = None, tail_fraction: float = _TAIL_FRACTION) -> _Grid:
+                 shift_until: int | None = None, tail_fraction: float = _TAIL_FRACTION, spread: bool = True) -> _Grid:
     """The grid for ``steps``: the RDP window or a certified narrower one, from ``n``
     points refined (up to ``last``, default _MAX_REFINE times ``n``) until connect-the-dots
-    spreads the loss little and, given a ``guess`` of epsilon, shifts it little (that test
-    only below ``shift_until`` points, when given). ``tail_fraction``: the share of delta
-    each wrap-around bound, and the mass the steps' cuts send to +inf, may take."""
+    spreads the loss little (unless ``spread`` is False) and, given a ``guess`` of epsilon,
+    shifts it little (that test only below ``shift_until`` points, when given).
+    ``tail_fraction``: the share of delta each wrap-around bound, and the mass the steps'
+    cuts send to +inf, may take."""
     last = _MAX_REFINE * n if last is None else last
     tail = tail_fraction * delta
 
@@ -634,7 +663,7 @@ def _choose_grid(steps: tuple, delta: float, n: int, last: int | None = None, gu
         shift_matters = guess is not None and (shift_until is None or n < shift_until)
         if shift_matters and not _shift_fine(steps, spacing, guess):
             return False
-        return _spread_share(steps, spacing) <= _SPREAD_SHARE
+        return not spread or _spread_share(steps, spacing) <= _SPREAD_SHARE
 
     while True:
         at_last = n >= last
