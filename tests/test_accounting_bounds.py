@@ -208,11 +208,9 @@ def test_loss_cut_and_floor_leave_at_most_the_budget(sigma, log_q, log_budget, d
     assert sum(w * stats.norm.cdf((high - m) / sigma) for w, m in parts) <= budget * (1 + 1e-6)
 
 
-def test_calibration_at_a_tiny_sample_rate_takes_few_accountant_evaluations(monkeypatch):
-    # The accountant costs a few tenths of a second per evaluation at q = 1e-6 (a grid of
-    # 2^20 points). The model on one grid puts its first evaluation within a percent or so
-    # of the target, and scaled to the accountant's value there, its second in the band
-    # (before the model: four to seven evaluations).
+def count_accountant_calls(monkeypatch):
+    """``(calls, accountant)``: the noise multipliers calibration evaluates with the PLD
+    accountant from now on, and the accountant itself (uncounted)."""
     calls = []
     accountant = calibrate_module.epsilon_of_ledger
 
@@ -222,6 +220,15 @@ def test_calibration_at_a_tiny_sample_rate_takes_few_accountant_evaluations(monk
         return accountant(runs, delta, name)
 
     monkeypatch.setattr(calibrate_module, "epsilon_of_ledger", counted)
+    return calls, accountant
+
+
+def test_calibration_at_a_tiny_sample_rate_takes_few_accountant_evaluations(monkeypatch):
+    # The accountant costs a few tenths of a second per evaluation at q = 1e-6 (a grid of
+    # 2^20 points). The model on one grid puts its first evaluation within a percent or so
+    # of the target, and scaled to the accountant's value there, its second in the band
+    # (before the model: four to seven evaluations).
+    calls, accountant = count_accountant_calls(monkeypatch)
     # 30 steps, target 1e-4: the model's grid was a bin per third of epsilon and its answer
     # 11% from the coarse one, beyond the 10% it was trusted: four evaluations, 2.9 s.
     for target, steps in ((1e-4, 1000), (5e-4, 1000), (3e-3, 1000), (1e3, 1000), (1e-4, 30)):
@@ -700,15 +707,7 @@ def test_calibration_brackets_with_an_epsilon_of_zero(monkeypatch):
     # against delta). A second point with epsilon 0 used to end the secant steps and the
     # search restarted below, from half that sigma up: 17 accountant evaluations. A point
     # above the target and one at 0 bracket the answer: Illinois from there.
-    calls = []
-    accountant = calibrate_module.epsilon_of_ledger
-
-    def counted(runs, delta, name="pld"):
-        if name == "pld" and runs[0][0] > 0:
-            calls.append(runs[0][0])
-        return accountant(runs, delta, name)
-
-    monkeypatch.setattr(calibrate_module, "epsilon_of_ledger", counted)
+    calls, accountant = count_accountant_calls(monkeypatch)
     sigma = calibrate_noise(1e-2, 0.1, 1e-6, 10**6)
     assert 1e-2 * 0.998 <= accountant([(sigma, 1e-6, 10**6)], 0.1) <= 1e-2
     assert sigma in calls and len(calls) <= 9, calls
