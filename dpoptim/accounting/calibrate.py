@@ -93,8 +93,8 @@ def calibrate_noise(target_epsilon, delta, sample_rate, steps, accountant: str =
     The result ``sigma`` satisfies ``epsilon(sigma, ...) <= target_epsilon`` and, up to a
     relative 0.2%, equals it: no noise is wasted. (Where the accountant's epsilon jumps
     over that band as its grid changes with sigma, no sigma meets it: the result is then
-    within a relative 2e-4 above the sigma of the jump.) Zero steps need no noise (returns 0),
-    and neither does a run so short that even noiseless steps meet the target
+    within a relative 2e-4 above the sigma of the jump.) Zero steps need no noise
+    (returns 0), and neither does a run so short that even noiseless steps meet the target
     (``1 - (1 - q)^steps <= delta``: the run is ``(0, delta)``-DP without noise).
 
     Any positive target is met by a large enough sigma under the PLD accountant: a tiny
@@ -179,9 +179,9 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
 
     A model steers it: the PLD on one grid chosen at ``start``, a quarter of the
     accountant's largest or less (:func:`~dpoptim.accounting.pld.model_epsilon`), smooth
-    in sigma where the accountant's own grid changes with it. The model's own answer
-    (at most 0.25 from ``start`` in log sigma) is the first point the accountant evaluates; the
-    model, scaled to the accountant's value there, is solved again (:func:`_modelled`),
+    in sigma where the accountant's own grid changes with it. The model's own answer (at
+    most 0.25 from ``start`` in log sigma) is the first point the accountant evaluates;
+    the model, scaled to the accountant's value there, is solved again (:func:`_modelled`),
     a small correction, and the accountant's value at that point is usually within the
     band. Where it is not, secant steps on log epsilon against log sigma follow, all on
     points evaluated with the accountant: slopes from its last two points, or the

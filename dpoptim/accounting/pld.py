@@ -503,6 +503,7 @@ def _with_coarser_grid(steps: tuple, deltas: dict, grid: _Grid, epsilons: dict, 
         return epsilons  # the first answer stands
     return {direction: min(value, other[direction]) for direction, value in epsilons.items()}
 
+
 #: The share of delta :func:`_with_shorter_cuts` lets the steps' cuts send to +inf.
 _SHORT_CUT_FRACTION = 2.0**-10
 
@@ -513,9 +514,9 @@ def _with_shorter_cuts(steps: tuple, deltas: dict, grid: _Grid, epsilons: dict, 
     With tiny q over few steps epsilon can be 10^-4 of the window: a step's loss is
     10^-6 wide in its body, but its rare tail, cut where it falls below a 2^-16 share of
     delta, spans 2 (sigma 0.38, q 1e-6, 30 steps, epsilon 3e-5). At the largest grid a
-    bin is then a fifth of epsilon, 7% above a rigorous lower bound. Cutting at a 2^-10 share
-    sends at most that share of delta to +inf, counted in full, and narrows the window
-    about 4 times. Both answers are sound upper bounds, and so is the smaller."""
+    bin is then a fifth of epsilon, 7% above a rigorous lower bound. Cutting at a 2^-10
+    share sends at most that share of delta to +inf, counted in full, and narrows the
+    window about 4 times. Both answers are sound upper bounds, and so is the smaller."""
     try:
         shorter = _choose_grid(steps, min(deltas.values()), grid.n, grid.n, max(epsilons.values()),
                                tail_fraction=_SHORT_CUT_FRACTION)
