@@ -177,6 +177,24 @@ def test_tiny_delta_at_a_tiny_sample_rate_tries_a_coarser_grid_where_rounding_de
     assert_bracketed(upper, pld_epsilon_lower_bound([(0.57538, 1e-6, 1000)], 1e-12, grid_points=2**18), rel=0.015)
 
 
+def test_far_beyond_the_body_the_grid_is_sized_by_the_tilted_shift(monkeypatch):
+    # q = 1e-6, 1000 steps, delta 1e-12: epsilon (0.096) lies 700 deviations beyond the
+    # body of the loss, and the spread test, against that body's variance, asked for 2^20
+    # points (1.5 s, and a rounding allowance that decided the answer). Beyond the body the
+    # shift test at the transform's tilt sizes the grid alone: 2^16 points at most.
+    sizes = []
+    compose_on = pld_module._compose_on
+    monkeypatch.setattr(pld_module, "_compose_on",
+                        lambda s, d, grid, **kw: sizes.append(grid.n) or compose_on(s, d, grid, **kw))
+    pld_epsilon([(0.57502, 1e-6, 1000)], 1e-12)
+    assert sizes and max(sizes) <= 2**16, sizes
+    # At a tilt of 128 over 10^4 steps the tilted test still asks for a fine grid: without
+    # the tilt, 2^14 points left epsilon 0.74% above the 2^18-point value.
+    sizes.clear()
+    fine = pld_epsilon([(1.0, 2e-5, 10_000)], 1e-13, grid_points=2**18)
+    assert pld_epsilon([(1.0, 2e-5, 10_000)], 1e-13) == pytest.approx(fine, rel=3e-4)
+
+
 @settings(max_examples=60, deadline=None)
 @given(sigma=st.floats(0.01, 20.0), log_q=st.floats(math.log(1e-9), math.log(0.999)),
        log_budget=st.floats(math.log(1e-40), math.log(0.4)), direction=st.sampled_from(["remove", "add"]))

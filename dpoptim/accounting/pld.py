@@ -469,11 +469,15 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
     # sigma), the PLD may not win at all: a first look on at most the usual grid says.
     shift_until = _fft_size(DEFAULT_GRID_POINTS) if ceiling < guess else None
     grid = _choose_grid(steps, delta, first, last, guess, shift_until)
+    # Sized without the spread test (the RDP guess lies beyond the body of the loss), the
+    # grid is checked on the PLD's answer even where another bound is below it.
+    unspread = _beyond_body(steps, guess, delta)
     epsilons = compose_on(steps, deltas, grid)
     guess = max(epsilons.values()) / strict
-    if grid.n < last and guess < ceiling and not _shift_fine(steps, grid.spacing, guess):
+    if (grid.n < last and (guess < ceiling or unspread)
+            and not _fine_for(steps, grid.spacing, guess, delta, grid.tilt)):
         # The guess was too high: refine on the PLD's own answer, a grid at least twice finer.
-        grid = _choose_grid(steps, delta, 2 * grid.n, last, guess)
+        grid = _choose_grid(steps, delta, 2 * grid.n, last, guess, tilt=grid.tilt)
         epsilons = compose_on(steps, deltas, grid)
     if not lower and grid.n >= last and guess < ceiling and grid.spacing > _BIN_SHARE * guess:
         epsilons = _with_shorter_cuts(steps, deltas, grid, epsilons, compose_on)
@@ -632,7 +636,7 @@ def _rdp_guess(steps: tuple, delta: float) -> float:
     return epsilon_from_rdp(rdp, _WINDOW_ORDERS, delta)[0]
 
 
-def _shift_fine(steps: tuple, spacing: float, epsilon: float) -> bool:
+def _shift_fine(steps: tuple, spacing: float, epsilon: float, tilt: float | None = None) -> bool:
     r"""Whether a grid of this spacing keeps the default accountant within about 0.1% of
     the exact epsilon, judged from a guess of epsilon.
 
@@ -640,31 +644,40 @@ def _shift_fine(steps: tuple, spacing: float, epsilon: float) -> bool:
     :math:`Q`-mass but raises the mean loss by up to about :math:`h^2/8` per step
     (measured), so ``T`` steps move epsilon up by about :math:`T h^2 / 8`; and reading
     the profile between grid points costs up to a bin, which matters for few steps.
+
+    ``tilt``: epsilon lies far beyond the body of the composed loss (:func:`_beyond_body`),
+    where it is set by the log moment generating function at about that tilt rather than
+    by the mean. Splitting adds up to :math:`h^2/4` of variance per step, which raises
+    that function by about :math:`\theta^2 T h^2 / 8` and epsilon by :math:`\theta T h^2
+    / 8`; measured at tiny q the shift is up to four times that, so the test is
+    :math:`\max(\theta, 1)\, T h^2 / 2`.
+
     This only steers the grid size, never soundness: a coarse grid gives a sound, less
     tight answer, and the tests bracket it against a rigorous lower bound.
     """
     if not 0.0 < epsilon < math.inf:
         return epsilon == 0.0
     total = sum(count for _, _, count in steps)
-    return total * spacing * spacing / 8.0 <= _SHIFT_SHARE * epsilon and spacing <= _BIN_SHARE * epsilon
+    shift = total * spacing * spacing * (1.0 / 8.0 if tilt is None else max(tilt, 1.0) / 2.0)
+    return shift <= _SHIFT_SHARE * epsilon and spacing <= _BIN_SHARE * epsilon
 
 
 def _choose_grid(steps: tuple, delta: float, n: int, last: int | None = None, guess: float | None = None,
-                 shift_until: int | None = None, tail_fraction: float = _TAIL_FRACTION, spread: bool = True) -> _Grid:
+                 shift_until: int | None = None, tail_fraction: float = _TAIL_FRACTION, spread: bool = True,
+                 tilt: float = 1.0) -> _Grid:
     """The grid for ``steps``: the RDP window or a certified narrower one, from ``n``
     points refined (up to ``last``, default _MAX_REFINE times ``n``) until connect-the-dots
-    spreads the loss little (unless ``spread`` is False) and, given a ``guess`` of epsilon,
-    shifts it little (that test only below ``shift_until`` points, when given).
-    ``tail_fraction``: the share of delta each wrap-around bound, and the mass the steps'
-    cuts send to +inf, may take."""
+    spreads the loss little (unless ``spread`` is False, or ``guess`` lies beyond the
+    body of the loss: :func:`_beyond_body`, where the shift test takes the transform's
+    ``tilt``) and, given a ``guess`` of epsilon, shifts it little (that test only below
+    ``shift_until`` points, when given). ``tail_fraction``: the share of delta each
+    wrap-around bound, and the mass the steps' cuts send to +inf, may take."""
     last = _MAX_REFINE * n if last is None else last
     tail = tail_fraction * delta
 
     def fine(spacing: float) -> bool:
         shift_matters = guess is not None and (shift_until is None or n < shift_until)
-        if shift_matters and not _shift_fine(steps, spacing, guess):
-            return False
-        return not spread or _spread_share(steps, spacing) <= _SPREAD_SHARE
+        return _fine_for(steps, spacing, guess if shift_matters else None, delta, tilt, spread)
 
     while True:
         at_last = n >= last
@@ -687,6 +700,18 @@ def _choose_grid(steps: tuple, delta: float, n: int, last: int | None = None, gu
             if at_last or fine(spacing):
                 return narrow or _rdp_grid(steps, tail, delta, n, window)
         n *= 2
+
+
+def _fine_for(steps: tuple, spacing: float, guess: float | None, delta: float, tilt: float,
+              spread: bool = True) -> bool:
+    """Whether ``spacing`` is fine for ``steps``: the shift test for a ``guess`` of epsilon
+    (none without one), with the transform's ``tilt`` where the guess lies beyond the body
+    of the loss (:func:`_beyond_body`), and otherwise, unless ``spread`` is False, the
+    spread test too."""
+    beyond = guess is not None and _beyond_body(steps, guess, delta)
+    if guess is not None and not _shift_fine(steps, spacing, guess, tilt if beyond else None):
+        return False
+    return not spread or beyond or _spread_share(steps, spacing) <= _SPREAD_SHARE
 
 
 #: What :func:`_narrow_grid` returns when no grid it could return is fine enough.
@@ -729,14 +754,29 @@ def _spread_share(steps: tuple, spacing: float) -> float:
     per step (Doroshenko et al. 2022), so a run of ``T`` steps gains up to
     :math:`T h^2 / 4` against its variance :math:`T v`. The window, hence ``h``, grows
     like :math:`\sqrt T`, so the share grows like ``T``: after 10^8 steps at the default
-    grid it is about 15% and epsilon several percent too high. This only steers the grid
-    size; soundness never depends on it.
+    grid it is about 15% and epsilon several percent too high. Not applied where epsilon
+    lies far beyond the body of the loss (:func:`_beyond_body`). This only steers the
+    grid size; soundness never depends on it.
     """
     total = sum(count for _, _, count in steps)
     variance = sum(count * _loss_moments(sigma, q, _REMOVE, math.inf)[1] for sigma, q, count in steps)
     if not variance > 0:
         return 0.0
     return total * spacing * spacing / 4.0 / variance
+
+
+def _beyond_body(steps: tuple, guess: float, delta: float) -> bool:
+    r"""Whether ``guess`` (an upper estimate of epsilon) lies far beyond the body of the
+    composed loss: above its mean plus ``4 z`` standard deviations, ``z`` the Gaussian
+    quantile at delta. There epsilon is set by rare large losses (tiny q over few steps:
+    a body 10^-4 wide, epsilon 0.1 at delta 1e-12), and the variance that connect-the-dots
+    adds to the body (:func:`_spread_share`) does not move it; the shift test alone sizes
+    the grid. A long run's epsilon lies a few deviations out (10^8 steps at sigma 1, q
+    1e-3: 4.3), where that variance does move it."""
+    moments = [_loss_moments(sigma, q, _REMOVE, math.inf) for sigma, q, _ in steps]
+    mean = sum(count * m for (_, _, count), (m, _) in zip(steps, moments))
+    deviation = math.sqrt(sum(count * v for (_, _, count), (_, v) in zip(steps, moments)))
+    return guess > mean + 4.0 * math.sqrt(2.0 * math.log(1.0 / delta)) * deviation
 
 
 def _fft_size(grid_points: int) -> int:
