@@ -387,7 +387,7 @@ _MODEL_POINTS = 2**18
 @functools.lru_cache(maxsize=8)
 def _model_grid(anchor: float, q: float, count: int, delta: float, guess: float) -> _Grid:
     """The model's grid; where it is coarse for ``guess``, the narrower one of shorter cuts
-    if finer (as the accountant then tries, :func:`_with_shorter_cuts`)."""
+    if finer (as the accountant then tries, :func:`_shorter_cut_grid`)."""
     steps = ((anchor, q, count),)
     grid = _choose_grid(steps, delta, AUTO_GRID_POINTS[0], _MODEL_POINTS, guess)
     if grid.spacing > _BIN_SHARE * guess:
@@ -480,56 +480,61 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
         grid = _choose_grid(steps, delta, 2 * grid.n, last, guess, tilt=grid.tilt)
         epsilons = compose_on(steps, deltas, grid)
     if not lower and grid.n >= last and guess < ceiling and grid.spacing > _BIN_SHARE * guess:
-        epsilons = _with_shorter_cuts(steps, deltas, grid, epsilons, compose_on)
+        epsilons = _smaller_with(steps, deltas, epsilons, compose_on,
+                                 _shorter_cut_grid(steps, delta, grid, max(epsilons.values())))
     if bound and grid.n > first and guess < ceiling:
-        epsilons = _with_coarser_grid(steps, deltas, grid, epsilons, compose_on, first)
+        epsilons = _smaller_with(steps, deltas, epsilons, compose_on,
+                                 _coarser_grid(steps, delta, grid, max(epsilons.values()), first))
     return epsilons
 
 
-def _with_coarser_grid(steps: tuple, deltas: dict, grid: _Grid, epsilons: dict, compose_on, first: int) -> dict:
-    """Each direction's smaller epsilon of ``grid`` and of the coarsest grid fine for the
-    answer by :func:`_shift_fine` alone, where rounding decided an answer.
+def _smaller_with(steps: tuple, deltas: dict, epsilons: dict, compose_on, other) -> dict:
+    """Each direction's smaller of ``epsilons`` and its epsilon on the grid ``other()``
+    returns (None: there is none). Both are sound upper bounds, and so is the smaller;
+    where the other grid cannot be had, the first answers stand."""
+    try:
+        grid = other()
+        if grid is None:
+            return epsilons
+        values = compose_on(steps, deltas, grid)
+    except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
+        return epsilons
+    return {direction: min(value, values[direction]) for direction, value in epsilons.items()}
+
+
+def _coarser_grid(steps: tuple, delta: float, grid: _Grid, answer: float, first: int):
+    """Where rounding decided an answer: the coarsest grid fine for it by :func:`_shift_fine`
+    alone, if coarser than ``grid`` (a function for :func:`_smaller_with`).
 
     The rounding allowance is summed over the entries above the answer, so it grows with
-    the points per unit of loss: at tiny delta and q the spread test (:func:`_spread_share`,
-    for long runs, against the variance of a loss that is a spike near 0 at tiny q) asks
-    for the largest grid, whose allowance is then most of delta even in extended precision.
-    Sigma 0.575, q 1e-6, 1000 steps, delta 1e-12: 0.1010 at 2^20 points, 0.0961 at 2^14,
-    whose bins are 0.25% of epsilon; the rigorous lower bound is 0.0948. Both answers are
-    sound upper bounds, and so is the smaller."""
-    answer = max(epsilons.values())
-    try:
-        coarse = _choose_grid(steps, min(deltas.values()), first, grid.n // 4, answer, spread=False)
-        if not (coarse.n < grid.n and _shift_fine(steps, coarse.spacing, answer)):
-            return epsilons
-        other = compose_on(steps, deltas, coarse)
-    except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
-        return epsilons  # the first answer stands
-    return {direction: min(value, other[direction]) for direction, value in epsilons.items()}
+    the points per unit of loss: where the largest grid is kept, its allowance can be most
+    of delta even in extended precision. Sigma 0.575, q 1e-6, 1000 steps, delta 1e-12 (when
+    the spread test still sized that grid): 0.1010 at 2^20 points, 0.0961 at 2^14, whose
+    bins are 0.25% of epsilon; the rigorous lower bound is 0.0948."""
+    def other():
+        coarse = _choose_grid(steps, delta, first, grid.n // 4, answer, spread=False)
+        return coarse if coarse.n < grid.n and _shift_fine(steps, coarse.spacing, answer) else None
+    return other
 
 
-#: The share of delta :func:`_with_shorter_cuts` lets the steps' cuts send to +inf.
+#: The share of delta :func:`_shorter_cut_grid` lets the steps' cuts send to +inf.
 _SHORT_CUT_FRACTION = 2.0**-10
 
 
-def _with_shorter_cuts(steps: tuple, deltas: dict, grid: _Grid, epsilons: dict, compose_on) -> dict:
-    """Each direction's smaller epsilon of ``grid`` and of a narrower window, cut shorter.
+def _shorter_cut_grid(steps: tuple, delta: float, grid: _Grid, guess: float):
+    """Where a bin of the largest grid is coarse for epsilon: a narrower window, cut
+    shorter, if finer than ``grid`` (a function for :func:`_smaller_with`).
 
     With tiny q over few steps epsilon can be 10^-4 of the window: a step's loss is
     10^-6 wide in its body, but its rare tail, cut where it falls below a 2^-16 share of
     delta, spans 2 (sigma 0.38, q 1e-6, 30 steps, epsilon 3e-5). At the largest grid a
     bin is then a fifth of epsilon, 7% above a rigorous lower bound. Cutting at a 2^-10
     share sends at most that share of delta to +inf, counted in full, and narrows the
-    window about 4 times. Both answers are sound upper bounds, and so is the smaller."""
-    try:
-        shorter = _choose_grid(steps, min(deltas.values()), grid.n, grid.n, max(epsilons.values()),
-                               tail_fraction=_SHORT_CUT_FRACTION)
-        if not shorter.spacing < grid.spacing:
-            return epsilons
-        other = compose_on(steps, deltas, shorter)
-    except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
-        return epsilons  # the first answer stands
-    return {direction: min(value, other[direction]) for direction, value in epsilons.items()}
+    window about 4 times."""
+    def other():
+        shorter = _choose_grid(steps, delta, grid.n, grid.n, guess, tail_fraction=_SHORT_CUT_FRACTION)
+        return shorter if shorter.spacing < grid.spacing else None
+    return other
 
 
 def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: float = 0.0,
