@@ -1160,8 +1160,10 @@ _HERMITE_X, _HERMITE_W = np.polynomial.hermite_e.hermegauss(96)
 _HERMITE_W = _HERMITE_W / math.sqrt(2.0 * math.pi)
 
 
+@functools.lru_cache(maxsize=4096)
 def _loss_moments(sigma: float, q: float, direction: str, cut: float) -> tuple[float, float]:
-    """Mean and variance of the loss below ``cut`` (Gauss-Hermite; only used as a guide)."""
+    """Mean and variance of the loss below ``cut`` (Gauss-Hermite; only used as a guide;
+    cached: the grid's tests ask for each step's at every size they try)."""
     first = second = 0.0
     for weight, mean in _components(q, direction):
         losses = _loss_of_z(mean + sigma * _HERMITE_X, sigma, q, direction)
