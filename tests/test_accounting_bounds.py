@@ -745,6 +745,51 @@ def test_calibration_brackets_with_an_epsilon_of_zero(monkeypatch):
     assert sigma in calls and len(calls) <= 9, calls
 
 
+@pytest.mark.parametrize("target", [1e-4, 3e-4, 1e-3])
+def test_calibration_near_an_epsilon_of_zero_lands_in_the_band(monkeypatch, target):
+    # q 0.01 over 30 steps at delta 0.1: epsilon reaches 0 near sigma 0.445 and is about
+    # linear in sigma just below, where log epsilon falls hundreds of times faster than
+    # log sigma. Searching on log epsilon bisected towards the zero (11 evaluations, 3 s)
+    # and stopped on its sigma resolution with 9.35e-5 for 1e-4 and 2.23e-4 for 3e-4.
+    calls, accountant = count_accountant_calls(monkeypatch)
+    sigma = calibrate_noise(target, 0.1, 0.01, 30)
+    assert target * 0.998 <= accountant([(sigma, 0.01, 30)], 0.1) <= target
+    assert sigma in calls and len(calls) <= 4, calls
+
+
+def test_bracket_search_near_zero_interpolates_epsilon_itself():
+    # A stand-in for epsilon near its zero: convex, a(s0 - s) + b(s0 - s)^2 below s0 and 0
+    # above. From a bracket with epsilon 0 at its feasible end, the search must land in
+    # the band in a few evaluations (bisection on log sigma took over 20 for this target)
+    # and keep on doing so where the bracket starts with two positive ends.
+    evaluated = {}
+
+    def eps_of(sigma):
+        gap = max(0.4452 - sigma, 0.0)
+        evaluated[sigma] = 1.5 * gap + 40.0 * gap * gap
+        return evaluated[sigma]
+
+    target = 1e-5
+    for low, high in ((0.3, 0.5), (0.44, 0.445196)):
+        evaluated.clear()
+        assert calibrate_module._near_zero([low], eps_of, low, high)
+        sigma = calibrate_module._illinois(eps_of, target, target * 0.998, low, high,
+                                           resolution=calibrate_module._JUMP_RESOLUTION)
+        assert sigma in evaluated and target * 0.998 <= evaluated[sigma] <= target
+        assert len(evaluated) <= 12, (low, high, len(evaluated))
+
+
+def test_a_jump_of_a_few_percent_is_not_taken_for_the_approach_to_zero():
+    # Across a bracket narrower than the steep test's baseline a 4% jump looks like a
+    # log-log slope over 50: only points at least 2e-3 apart in log sigma decide.
+    def eps_of(sigma):
+        return sigma ** -2 * (1.04 if sigma < 0.61 else 1.0)
+
+    low, high = 0.6099, 0.6101
+    assert not calibrate_module._near_zero([low, high], eps_of, low, high)
+    assert not calibrate_module._near_zero([0.6, low, high], eps_of, low, high)
+
+
 def test_inverse_quadratic_finds_the_root_of_a_parabola():
     def x_of(g):
         return 0.3 - 0.5 * g + 0.2 * g * g

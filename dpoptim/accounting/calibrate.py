@@ -181,14 +181,14 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
     accountant's largest or less (:func:`~dpoptim.accounting.pld.model_epsilon`), smooth
     in sigma where the accountant's own grid changes with it. The model's own answer (at
     most 0.25 from ``start`` in log sigma) is the first point the accountant evaluates;
-    the model, scaled to the accountant's value there, is solved again (:func:`_modelled`),
-    a small correction, and the accountant's value at that point is usually within the
-    band. Where it is not, secant steps on log epsilon against log sigma follow, all on
-    points evaluated with the accountant: slopes from its last two points, or the
-    parabola through its last three. Once a feasible and an infeasible point bracket the
-    answer, :func:`_illinois` narrows the bracket (to :data:`_JUMP_RESOLUTION` at most).
-    Only evaluated points are returned: the answer never overshoots (see :func:`_solve`).
-    """
+    the model, scaled to the accountant's value there, is solved again (:func:`_modelled`;
+    within 2% of the aim a step along its slope does), and the accountant's value at
+    that point is usually within the band. Else secant steps on log epsilon against log sigma follow, on points evaluated
+    with the accountant. Near the sigma where epsilon reaches 0 (:func:`_near_zero_rate`;
+    the accountant is off the coarse PLD by a constant there, not a factor) the steps
+    are on epsilon itself, without the model (:func:`_linear_step`). A bracket is
+    narrowed by :func:`_illinois` (to :data:`_JUMP_RESOLUTION` at most). Only evaluated
+    points are returned: the answer never overshoots (see :func:`_solve`)."""
     known: dict[float, float] = {}
 
     def accountant(sigma: float) -> float:
@@ -198,18 +198,15 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
 
     floor = target * (1.0 - _CALIBRATION_TOLERANCE)
     aim = target * (1.0 - _CALIBRATION_TOLERANCE / 2)
-    model = functools.partial(_modelled, start, pld_epsilon([(start, q, steps)], delta, _COARSE_GRID), aim=aim,
-                              q=q, steps=steps, delta=delta)
-    own = model(start, None, tolerance=1e-3)  # only a start: the model is a percent or so off
-    sigma, previous = (own[0] if own is not None and abs(math.log(own[0] / start)) <= _MODEL_REACH else start), None
-    value = accountant(sigma)
-    if floor <= value <= target:
-        return sigma
-    modelled = model(sigma, value, slope=own[1] if own is not None else None) if 0 < value < math.inf else None
-    if modelled is None:
-        slope = _coarse_slope(sigma, q, steps, delta)
+    rate = _near_zero_rate(start, q, steps, delta)  # near zero: -d epsilon / d log sigma
+    if rate is not None:  # the model's scaling suits a relative error, not the additive one here
+        if floor <= accountant(start) <= target:
+            return start
+        (sigma, rate), previous, slope = _linear_step(known, start, None, aim, rate), start, _STEEP
     else:
-        (sigma, slope), previous = modelled, sigma
+        sigma, slope, previous = _modelled_start(accountant, start, (floor, target), aim, q, steps, delta)
+        if previous is None and floor <= known[sigma] <= target:
+            return sigma
     for _ in range(4):
         value = accountant(sigma)
         if floor <= value <= target:
@@ -217,6 +214,11 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
         bracket = _bracket(known, target)  # an epsilon of 0 (q T near delta) ends a bracket too
         if bracket is not None:
             return _illinois(accountant, target, floor, *bracket, earlier=list(known), resolution=_JUMP_RESOLUTION)
+        if rate is not None:  # near zero, epsilon is about linear in sigma: secant steps on it
+            previous, (sigma, rate) = sigma, _linear_step(known, sigma, previous, aim, rate)
+            if sigma in known:
+                break
+            continue
         if not 0 < value < math.inf:
             break
         if previous is not None and 0 < known[previous] < math.inf and known[previous] != value:
@@ -232,6 +234,29 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
     feasible = [s for s, v in known.items() if v <= target]
     return _solve(accountant, target, min(feasible) if feasible else max(known), close=True, slope=slope,
                   resolution=_JUMP_RESOLUTION)
+
+
+def _modelled_start(accountant, start: float, band: tuple, aim: float, q: float, steps: int,
+                    delta: float) -> tuple:
+    """``(sigma, slope, previous)`` for :func:`_finish`'s secant steps away from zero:
+    the accountant evaluated at the model's own answer (or ``start``), then the model
+    scaled to it solved again (``previous``: the point evaluated). ``previous`` is None
+    where the model gives no second point or the first is in the ``band`` (floor,
+    target): ``sigma`` is then the point evaluated (with the coarse PLD's slope)."""
+    model = functools.partial(_modelled, start, pld_epsilon([(start, q, steps)], delta, _COARSE_GRID), aim=aim,
+                              q=q, steps=steps, delta=delta)
+    own = model(start, None, tolerance=1e-3)  # only a start: the model is a percent or so off
+    sigma = own[0] if own is not None and abs(math.log(own[0] / start)) <= _MODEL_REACH else start
+    value = accountant(sigma)
+    if band[0] <= value <= band[1]:
+        return sigma, 1.0, None
+    if own is not None and 0 < value < math.inf and abs(math.log(value / aim)) <= _SMALL_CORRECTION:
+        # a small correction: the model's slope alone steps there (its curvature adds ~1e-5)
+        return sigma * math.exp(math.log(value / aim) / own[1]), own[1], sigma
+    modelled = model(sigma, value, slope=own[1] if own is not None else None) if 0 < value < math.inf else None
+    if modelled is None:
+        return sigma, _coarse_slope(sigma, q, steps, delta), None
+    return modelled[0], modelled[1], sigma
 
 
 def _bracket(known: dict, target: float) -> tuple[float, float] | None:
@@ -296,6 +321,10 @@ def _modelled(anchor: float, guess: float, start: float, value: float | None, ai
 #: accountant's first point: at tiny q the coarse PLD is 10% off, the model 1% or so.
 _MODEL_REACH = 0.25
 
+#: Within this distance (log epsilon) of the aim, the accountant's first point is
+#: corrected along the model's slope without solving the model again.
+_SMALL_CORRECTION = 0.02
+
 #: Model evaluations :func:`_modelled` may spend (each on a quarter of the accountant's
 #: largest grid, or less).
 _MODEL_EVALUATIONS = 5
@@ -314,6 +343,38 @@ def _coarse_slope(sigma: float, q: float, steps: int, delta: float) -> float:
         if 0 < values[high] < values[low] < math.inf:
             slopes.append(min(max(math.log(values[low] / values[high]) / math.log(high / low), 1.0), 50.0))
     return sorted(slopes)[(len(slopes) - 1) // 2] if slopes else 2.0
+
+
+def _near_zero_rate(sigma: float, q: float, steps: int, delta: float) -> float | None:
+    """Where epsilon reaches 0 within 2% above ``sigma`` (the coarse PLD, an upper bound,
+    is 0 at 1.02 ``sigma``; see :func:`_near_zero`), a first guess of the accountant's
+    -d epsilon / d log sigma there: the coarse PLD's over 0.995..1 times ``sigma``; else
+    None. The coarse PLD is off by about a constant there (its rounding), which leaves
+    the rate; epsilon being convex, the chord's rate is a little above the rate at
+    ``sigma``."""
+    if pld_epsilon([(sigma * 1.02, q, steps)], delta, _COARSE_GRID) > 0:
+        return None
+    below, at = (pld_epsilon([(sigma * f, q, steps)], delta, _COARSE_GRID) for f in (0.995, 1.0))
+    rate = (below - at) / -math.log(0.995)
+    return rate if 0 < rate < math.inf else None
+
+
+def _linear_step(known: dict, sigma: float, previous: float | None, aim: float, rate: float) -> tuple:
+    """``(next sigma, rate)``: a secant step of :func:`_finish` near zero, on epsilon
+    itself against log sigma. ``rate`` (-d epsilon / d log sigma) is re-measured between
+    ``previous`` and ``sigma`` where both have a finite positive epsilon. At epsilon 0
+    the step aims at twice ``aim`` above 0, doubling with each point at 0 (how far below
+    the accountant's 0 lies is unknown; the next point likely brackets the answer).
+    Steps are at most 0.05 in log sigma: epsilon is near linear only within 2% of where
+    it reaches 0."""
+    value = known[sigma]
+    if previous is not None and 0 < known[previous] < math.inf and 0 < value < math.inf:
+        measured = (known[previous] - value) / math.log(sigma / previous)
+        if measured > 0:
+            rate = measured
+    zeros = sum(1 for epsilon in known.values() if epsilon == 0)
+    step = ((value if value > 0 else aim - aim * 2.0**zeros) - aim) / rate
+    return sigma * math.exp(min(max(step, -0.05), 0.05)), rate
 
 
 def _solve(eps_of, target: float, start: float, close: bool = False, max_evaluations: int = 0,
@@ -389,56 +450,117 @@ def _solve_with(f, target: float, floor: float, start: float, close: bool, slope
 
 def _illinois(f, target: float, floor: float, low: float, high: float, earlier=(),
               resolution: float = 1e-12) -> float:
-    """Illinois regula falsi on g(x) = log eps(e^x) - log aim, decreasing in x, from the
-    bracket ``low`` (infeasible) .. ``high`` (feasible), aimed at the middle of the
-    accepted band so that a hit lands inside it; returns a feasible evaluated sigma.
-    Once three points are known, the step is inverse quadratic interpolation through the
-    last three where it falls inside the bracket (as in Brent's method): epsilon curves
-    in log-log, and regula falsi alone then creeps in from one side. Where an end of the
-    bracket has epsilon 0 (or infinite), the step is a bisection."""
-    aim = math.log(target * (1.0 - _CALIBRATION_TOLERANCE / 2))
+    """Illinois regula falsi on a decreasing g(x) that is 0 in the middle of the accepted
+    band, x = log sigma, from the bracket ``low`` (infeasible) .. ``high`` (feasible), so
+    that a hit lands inside the band; returns a feasible evaluated sigma. Once three
+    points are known, the step is inverse quadratic interpolation through the last three
+    where it falls inside the bracket (as in Brent's method): epsilon curves in log-log,
+    and regula falsi alone then creeps in from one side (:func:`_bracket_step`).
+
+    g is log epsilon - log aim, except near the sigma where epsilon reaches 0
+    (:func:`_near_zero`), where g is epsilon / aim - 1: epsilon is near linear there, its
+    logarithm not. ``resolution``: the search ends with the feasible end once the bracket
+    is this narrow in log sigma; near zero, where a tiny step in sigma moves epsilon a
+    lot, this divided by half the least slope of g seen across the bracket."""
+    aim = target * (1.0 - _CALIBRATION_TOLERANCE / 2)
+    linear = [False]
 
     def g(sigma: float) -> float:
         value = f(sigma)
-        return (math.log(value) if 0 < value < math.inf else (-745.0 if value == 0 else 745.0)) - aim
+        if linear[0]:
+            return value / aim - 1.0 if value < math.inf else 745.0
+        return (math.log(value / aim) if 0 < value < math.inf else (-745.0 if value == 0 else 745.0))
 
-    x_low, x_high = math.log(low), math.log(high)
-    ends = [low, high]  # the evaluated sigmas at x_low, x_high
-    g_low, g_high = g(low), g(high)
+    ends = [low, high]  # the evaluated sigmas at the bracket's ends
     # every point evaluated, in order (``earlier``: sigmas evaluated before, oldest first)
-    history = [(math.log(sigma), g(sigma)) for sigma in earlier if sigma not in (low, high)]
-    history += [(x_low, g_low), (x_high, g_high)]
-    side = 0
+    history = [sigma for sigma in earlier if sigma not in (low, high)] + [low, high]
+    side, slope, g_low, g_high = 0, math.inf, 0.0, 0.0
     for _ in range(200):
-        margin = 1e-3 * (x_high - x_low)
-        x = _inverse_quadratic(history[-3:])
-        if not x_low + margin <= x <= x_high - margin:
-            if not (0 < f(ends[0]) < math.inf and 0 < f(ends[1]) < math.inf):
-                x = 0.5 * (x_low + x_high)  # an end with epsilon 0 or inf says nothing of the slope
-            elif g_high != g_low:
-                x = x_high - g_high * (x_high - x_low) / (g_high - g_low)
-            else:
-                x = 0.5 * (x_low + x_high)
-            x = min(max(x, x_low + margin), x_high - margin)
+        x_low, x_high = math.log(ends[0]), math.log(ends[1])
+        if side == 0 or linear[0] != _near_zero(history, f, *ends):
+            linear[0] = _near_zero(history, f, *ends)
+            g_low, g_high, side = g(ends[0]), g(ends[1]), 0  # no Illinois halving carried over
+        if linear[0]:  # epsilon's slope here, per unit of log sigma: the smallest seen
+            slope = min(slope, (g(ends[0]) - g(ends[1])) / (x_high - x_low))
+        if x_high - x_low < resolution / max(1.0, slope / 2.0 if linear[0] else 1.0):
+            break
+        # Near zero, points at epsilon 0 say only that sigma_0 lies below them.
+        usable = [sigma for sigma in history if not linear[0] or 0 < f(sigma) < math.inf]
+        x = _bracket_step([(math.log(sigma), g(sigma)) for sigma in usable[-3:]], (x_low, g_low), (x_high, g_high),
+                          linear[0], math.isinf(f(ends[0])) or f(ends[1]) == 0)
         sigma = math.exp(x)
-        history.append((x, g(sigma)))
+        history.append(sigma)
         if f(sigma) > target:
-            x_low, g_low = x, g(sigma)
-            ends[0] = sigma
+            ends[0], g_low = sigma, g(sigma)
             if side == -1:
                 g_high /= 2.0
             side = -1
         else:
-            x_high, g_high = x, g(sigma)
-            ends[1] = sigma
+            ends[1], g_high = sigma, g(sigma)
             if f(sigma) >= floor:
                 return sigma
             if side == 1:
                 g_low /= 2.0
             side = 1
-        if x_high - x_low < resolution:
-            break
     return ends[1]  # evaluated and feasible (exp(log(sigma)) may differ from sigma in the last bit)
+
+
+#: Log epsilon falling faster than this per unit of log sigma marks the approach to the
+#: sigma where epsilon reaches 0 (see :func:`_near_zero`).
+_STEEP = 50.0
+
+#: ... measured over at least this much log sigma: across a narrower baseline a jump of
+#: the accountant (at most a few percent, where its grid changes) could look as steep.
+_STEEP_BASELINE = 2e-3
+
+
+def _near_zero(evaluated, f, low: float, high: float) -> bool:
+    """Whether the bracket ``low`` (infeasible) .. ``high`` (feasible) lies where epsilon
+    nears 0 and is close to linear in sigma: epsilon is 0 at ``high``, or log epsilon
+    falls faster than :data:`_STEEP` per unit log sigma from the nearest ``evaluated``
+    sigma at least :data:`_STEEP_BASELINE` below ``high`` with a finite positive epsilon.
+
+    At epsilon 0 the hockey-stick divergence is the total variation distance, smooth in
+    sigma, and its slope in epsilon is minus the chance of a positive loss, so near the
+    sigma where it equals delta epsilon is about linear in sigma, a(sigma_0 - sigma),
+    while log epsilon runs off to minus infinity: its log-log slope sigma / (sigma_0 -
+    sigma) exceeds :data:`_STEEP` within 2% of sigma_0."""
+    if f(high) == 0.0:
+        return 0.0 < f(low) < math.inf
+    edge = math.log(high) - _STEEP_BASELINE
+    below = [sigma for sigma in evaluated if math.log(sigma) <= edge and 0.0 < f(sigma) < math.inf]
+    if not below or not 0.0 < f(high) < math.inf:
+        return False
+    sigma = max(below)
+    return math.log(f(sigma) / f(high)) > _STEEP * math.log(high / sigma)
+
+
+def _bracket_step(points: list, low: tuple, high: tuple, linear: bool, open_end: bool) -> float:
+    """:func:`_illinois`' next x inside the bracket ``low`` .. ``high`` (``(x, g)`` at its
+    ends, g halved by Illinois where an end got stale).
+
+    Near zero (``linear``) the secant through the last two ``points``, those with a
+    positive epsilon, left of the root: the convex epsilon's secants land a little short
+    of it, so each step stays infeasible or lands in the band, closing in superlinearly
+    (a parabola through three can overshoot far into the zeros). Elsewhere the parabola
+    through the last three points where it falls inside. Failing that, regula falsi on
+    the ends, or a bisection where an end's epsilon is 0 or infinite (``open_end``: it
+    says little of the slope). Steps keep a margin of 1e-3 of the bracket from its ends
+    (a secant near zero only from the low end: a feasible end at 0 may lie far off)."""
+    (x_low, g_low), (x_high, g_high) = low, high
+    margin = 1e-3 * (x_high - x_low)
+    if linear and len(points) >= 2:
+        (x0, g0), (x1, g1) = points[-2:]
+        x = x1 - g1 * (x1 - x0) / (g1 - g0) if g1 != g0 else math.nan
+        if x_low < x <= x_high - margin:
+            return x
+    x = _inverse_quadratic(points) if not linear else math.nan
+    if x_low + margin <= x <= x_high - margin:
+        return x
+    if open_end or g_high == g_low:
+        return 0.5 * (x_low + x_high)
+    x = x_high - g_high * (x_high - x_low) / (g_high - g_low)
+    return min(max(x, x_low + margin), x_high - margin)
 
 
 def _inverse_quadratic(points) -> float:
