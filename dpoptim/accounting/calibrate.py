@@ -363,8 +363,9 @@ def _linear_step(known: dict, sigma: float, previous: float | None, aim: float, 
     """``(next sigma, rate)``: a secant step of :func:`_finish` near zero, on epsilon
     itself against log sigma. ``rate`` (-d epsilon / d log sigma) is re-measured between
     ``previous`` and ``sigma`` where both have a finite positive epsilon. At epsilon 0
-    the step aims at twice ``aim`` above 0, doubling with each point at 0 (how far below
-    the accountant's 0 lies is unknown; the next point likely brackets the answer).
+    the step aims at twice ``aim`` above 0, four times further with each point at 0 (how
+    far below the accountant's 0 lies is unknown; the next point likely brackets the
+    answer, and points at 0 cost little).
     Steps are at most 0.05 in log sigma: epsilon is near linear only within 2% of where
     it reaches 0."""
     value = known[sigma]
@@ -373,7 +374,7 @@ def _linear_step(known: dict, sigma: float, previous: float | None, aim: float, 
         if measured > 0:
             rate = measured
     zeros = sum(1 for epsilon in known.values() if epsilon == 0)
-    step = ((value if value > 0 else aim - aim * 2.0**zeros) - aim) / rate
+    step = (value - aim if value > 0 else -aim * 2.0 ** (2 * zeros - 1)) / rate
     return sigma * math.exp(min(max(step, -0.05), 0.05)), rate
 
 
@@ -540,9 +541,10 @@ def _bracket_step(points: list, low: tuple, high: tuple, linear: bool, open_end:
     ends, g halved by Illinois where an end got stale).
 
     Near zero (``linear``) the secant through the last two ``points``, those with a
-    positive epsilon, left of the root: the convex epsilon's secants land a little short
-    of it, so each step stays infeasible or lands in the band, closing in superlinearly
-    (a parabola through three can overshoot far into the zeros). Elsewhere the parabola
+    positive epsilon, left of the root, where log epsilon falls steeply between them:
+    the convex epsilon's secants land a little short of it, so each step stays
+    infeasible or lands in the band, closing in superlinearly (a parabola through three
+    can overshoot far into the zeros). Elsewhere the parabola
     through the last three points where it falls inside. Failing that, regula falsi on
     the ends, or a bisection where an end's epsilon is 0 or infinite (``open_end``: it
     says little of the slope). Steps keep a margin of 1e-3 of the bracket from its ends
@@ -551,7 +553,10 @@ def _bracket_step(points: list, low: tuple, high: tuple, linear: bool, open_end:
     margin = 1e-3 * (x_high - x_low)
     if linear and len(points) >= 2:
         (x0, g0), (x1, g1) = points[-2:]
-        x = x1 - g1 * (x1 - x0) / (g1 - g0) if g1 != g0 else math.nan
+        # Far from the zero (log epsilon falls less than _STEEP between them) epsilon is
+        # strongly convex and its secants creep: bisect towards the zero instead.
+        steep = x1 != x0 and math.log((g0 + 1.0) / (g1 + 1.0)) > _STEEP * abs(x1 - x0)
+        x = x1 - g1 * (x1 - x0) / (g1 - g0) if g1 != g0 and steep else math.nan
         if x_low < x <= x_high - margin:
             return x
     x = _inverse_quadratic(points) if not linear else math.nan
