@@ -172,9 +172,48 @@ def test_tiny_delta_at_a_tiny_sample_rate_tries_a_coarser_grid_where_rounding_de
     # delta 1e-12, q 1e-6, 1000 steps: the spread test asks for the largest grid, whose
     # rounding allowance, summed over a million entries above the answer, is most of
     # delta even in extended precision: 0.0980, 4.2% above the lower bound (and a 2.4%
-    # jump in sigma nearby). The coarsest grid fine for the answer gives 0.0950.
+    # jump in sigma nearby). The coarsest grid fine for the answer gives 0.0950, and with
+    # the allowance's Euclidean bound 0.09447 (the lower bound at 2^18 points is 0.09401).
     upper = epsilon(0.57538, 1e-6, 1000, 1e-12)
-    assert_bracketed(upper, pld_epsilon_lower_bound([(0.57538, 1e-6, 1000)], 1e-12, grid_points=2**18), rel=0.015)
+    assert_bracketed(upper, pld_epsilon_lower_bound([(0.57538, 1e-6, 1000)], 1e-12, grid_points=2**18), rel=0.006)
+
+
+@pytest.mark.parametrize("sigma, q, steps, delta, n", [
+    (0.661, 1e-6, 10**6, 1e-12, 2**16),  # a spike near 0 over many steps: the norm bound wins
+    (0.05, 1e-4, 10**5, 1e-12, 2**16),  # tiny sigma, the addition's wide loss
+    (0.8, 0.01, 1000, 1e-8, 2**15),
+])
+def test_rounding_allowances_cover_the_measured_error(sigma, q, steps, delta, n):
+    # The allowance at each grid point bounds the rounding error of the entries above it,
+    # weighted by their untilting factors: measured here as float64 against the same
+    # composition in extended precision (whose own error is 2^11 times smaller).
+    if np.finfo(np.longdouble).eps >= np.finfo(np.float64).eps:
+        pytest.skip("no extended precision on this platform")
+    runs = ((sigma, q, steps),)
+    grid = pld_module._choose_grid(runs, delta, n, n, pld_module._rdp_guess(runs, delta))
+    smaller = 0
+    for direction in ("remove", "add"):
+        items = [(sigma, q, direction, grid.spacing, grid.i_low if not grid.bottoms else grid.bottoms[direction][0],
+                  grid.tops[direction][0], steps)]
+        composed = {}
+        for dtype in (np.float64, np.longdouble):
+            parts = pld_module._product(items, grid, dtype, False)
+            composed[dtype] = np.fft.irfft(parts.spectrum, grid.n)
+            if dtype is np.float64:
+                noise = pld_module._rounding_allowance(
+                    grid.n, parts.total_steps, np.exp(parts.log_weight), np.abs(parts.spectrum), 2.0**-53,
+                    parts.dead_log_weight, parts.step_error)
+                log_untilt = parts.cgf - grid.tilt * (grid.i_low + np.arange(grid.n)) * grid.spacing
+        error = np.roll(np.abs(composed[np.float64] - composed[np.longdouble]).astype(float), -(grid.i_low % grid.n))
+        weighted = error * np.exp(np.minimum(log_untilt, 700.0))
+        above = np.concatenate([np.cumsum(weighted[::-1])[::-1][1:], [0.0]])
+        remaining = (grid.n - 1 - np.arange(grid.n)).astype(float)
+        decay = float(log_untilt[0] - log_untilt[1])
+        allowance = pld_module._allowances(noise, log_untilt, decay, remaining)
+        assert np.all(above <= allowance), direction
+        smaller += np.any(allowance < pld_module._allowances((noise[0], math.inf), log_untilt, decay, remaining))
+    if sigma == 0.661:
+        assert smaller == 2  # the Euclidean bound is the tighter one somewhere in both
 
 
 def test_far_beyond_the_body_the_grid_is_sized_by_the_tilted_shift(monkeypatch):
