@@ -622,7 +622,7 @@ def _refined(compose, grid: _Grid, value: float, own_tilt: float | None = None) 
 #: Grids up to this size, where rounding decides even in extended precision, also try
 #: tilts a quarter octave and more above the grid's (:func:`_climbed`): a few hundredths
 #: of a second each there.
-_CLIMB_POINTS = 2**18
+_CLIMB_POINTS = 2**17
 
 
 def _climbed(compose, grid: _Grid, value: float) -> float:
