@@ -188,6 +188,13 @@ def test_where_rounding_decides_epsilon_still_rises_with_the_steps():
     values = [epsilon(0.661, 1e-6, steps, 1e-12) for steps in (877_496, 911_178, 946_152)]
     assert values[0] <= values[1] <= values[2], values
     assert values[2] < 0.09
+    # sigma 0.632, q 2.8e-6, delta 1.9e-12: the RDP window was kept while it was under 4
+    # times the narrow one's guess (3.99 at 413,594 steps), its tilt half the narrow
+    # window's: 0.3491 there against 0.3461 at 425,640 steps (0.3813 and 0.3477 before
+    # the rounding bounds and the climb). The narrow window is now tried above 2 times.
+    sigma, q, delta = 0.6323448990163348, 2.834963826558842e-06, 1.948700724725869e-12
+    values = [epsilon(sigma, q, steps, delta) for steps in (413_594, 425_640)]
+    assert values[0] <= values[1] < 0.3465, values
 
 
 @pytest.mark.parametrize("sigma, q, steps, delta, n", [
