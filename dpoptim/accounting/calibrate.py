@@ -183,12 +183,12 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
     most 0.25 from ``start`` in log sigma) is the first point the accountant evaluates;
     the model, scaled to the accountant's value there, is solved again (:func:`_modelled`;
     within 2% of the aim a step along its slope does), and the accountant's value at
-    that point is usually within the band. Else secant steps on log epsilon against log sigma follow, on points evaluated
-    with the accountant. Near the sigma where epsilon reaches 0 (:func:`_near_zero_rate`;
-    the accountant is off the coarse PLD by a constant there, not a factor) the steps
-    are on epsilon itself, without the model (:func:`_linear_step`). A bracket is
-    narrowed by :func:`_illinois` (to :data:`_JUMP_RESOLUTION` at most). Only evaluated
-    points are returned: the answer never overshoots (see :func:`_solve`)."""
+    that point is usually within the band. Else secant steps on log epsilon against log
+    sigma follow, on points the accountant evaluated. Near the sigma where epsilon
+    reaches 0 (:func:`_near_zero_rate`; the accountant is off the coarse PLD by a
+    constant there, not a factor) the steps are on epsilon itself, without the model
+    (:func:`_linear_step`). :func:`_illinois` narrows a bracket (to :data:`_JUMP_RESOLUTION`
+    at most). Only evaluated points are returned: the answer never overshoots."""
     known: dict[float, float] = {}
 
     def accountant(sigma: float) -> float:
