@@ -365,9 +365,8 @@ def _linear_step(known: dict, sigma: float, previous: float | None, aim: float, 
     ``previous`` and ``sigma`` where both have a finite positive epsilon. At epsilon 0
     the step aims at twice ``aim`` above 0, four times further with each point at 0 (how
     far below the accountant's 0 lies is unknown; the next point likely brackets the
-    answer, and points at 0 cost little).
-    Steps are at most 0.05 in log sigma: epsilon is near linear only within 2% of where
-    it reaches 0."""
+    answer, and points at 0 cost little). Steps are at most 0.05 in log sigma: epsilon
+    is near linear only within 2% of where it reaches 0."""
     value = known[sigma]
     if previous is not None and 0 < known[previous] < math.inf and 0 < value < math.inf:
         measured = (known[previous] - value) / math.log(sigma / previous)
