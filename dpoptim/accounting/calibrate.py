@@ -477,8 +477,9 @@ def _illinois(f, target: float, floor: float, low: float, high: float, earlier=(
     side, slope, g_low, g_high = 0, math.inf, 0.0, 0.0
     for _ in range(200):
         x_low, x_high = math.log(ends[0]), math.log(ends[1])
-        if side == 0 or linear[0] != _near_zero(history, f, *ends):
-            linear[0] = _near_zero(history, f, *ends)
+        near = _near_zero(history, f, *ends)
+        if side == 0 or near != linear[0]:
+            linear[0] = near
             g_low, g_high, side = g(ends[0]), g(ends[1]), 0  # no Illinois halving carried over
         if linear[0]:  # epsilon's slope here, per unit of log sigma: the smallest seen
             slope = min(slope, (g(ends[0]) - g(ends[1])) / (x_high - x_low))
@@ -532,7 +533,13 @@ def _near_zero(evaluated, f, low: float, high: float) -> bool:
     if not below or not 0.0 < f(high) < math.inf:
         return False
     sigma = max(below)
-    return math.log(f(sigma) / f(high)) > _STEEP * math.log(high / sigma)
+    return _falls_steeply(f(sigma), f(high), math.log(high / sigma))
+
+
+def _falls_steeply(larger: float, smaller: float, width: float) -> bool:
+    """Whether epsilon falling from ``larger`` to ``smaller`` (both positive) over
+    ``width`` in log sigma falls faster than :data:`_STEEP` in log epsilon."""
+    return width > 0 and math.log(larger / smaller) > _STEEP * width
 
 
 def _bracket_step(points: list, low: tuple, high: tuple, linear: bool, open_end: bool) -> float:
@@ -543,8 +550,8 @@ def _bracket_step(points: list, low: tuple, high: tuple, linear: bool, open_end:
     positive epsilon, left of the root, where log epsilon falls steeply between them:
     the convex epsilon's secants land a little short of it, so each step stays
     infeasible or lands in the band, closing in superlinearly (a parabola through three
-    can overshoot far into the zeros). Elsewhere the parabola
-    through the last three points where it falls inside. Failing that, regula falsi on
+    can overshoot far into the zeros). Elsewhere the parabola through the last three
+    points where it falls inside. Failing that, regula falsi on
     the ends, or a bisection where an end's epsilon is 0 or infinite (``open_end``: it
     says little of the slope). Steps keep a margin of 1e-3 of the bracket from its ends
     (a secant near zero only from the low end: a feasible end at 0 may lie far off)."""
@@ -554,7 +561,7 @@ def _bracket_step(points: list, low: tuple, high: tuple, linear: bool, open_end:
         (x0, g0), (x1, g1) = points[-2:]
         # Far from the zero (log epsilon falls less than _STEEP between them) epsilon is
         # strongly convex and its secants creep: bisect towards the zero instead.
-        steep = x1 != x0 and math.log((g0 + 1.0) / (g1 + 1.0)) > _STEEP * abs(x1 - x0)
+        steep = _falls_steeply(g0 + 1.0, g1 + 1.0, abs(x1 - x0))  # g + 1: epsilon / aim
         x = x1 - g1 * (x1 - x0) / (g1 - g0) if g1 != g0 and steep else math.nan
         if x_low < x <= x_high - margin:
             return x
