@@ -616,7 +616,7 @@ def test_a_long_schedule_in_mixture_groups_loses_little(monkeypatch):
     (((0.04905, 1.228e-5, 35),), 2.467e-12, 0.0),  # both bind at the same value: both refined
 ])
 def test_refining_only_the_deciding_direction_gives_what_refining_both_would(steps, delta, shift):
-    # Refining (extended precision, other tilts) only lowers a direction's value; skipping
+    # Refining (the split, extended precision, other tilts) only lowers a direction's value; skipping
     # it where the direction cannot set max(remove, add + shift) must leave that maximum
     # exactly as refining both would.
     grid = pld_module._choose_grid(steps, delta, 2**15)
@@ -628,8 +628,7 @@ def test_refining_only_the_deciding_direction_gives_what_refining_both_would(ste
 
         value, binding = compose(grid, np.float64)
         if binding:
-            own = pld_module._own_tilt(steps, direction, grid, delta)
-            value = pld_module._refined(compose, grid, value, own)
+            value = pld_module._rounding_bound(steps, direction, grid, delta, value, compose)
         both[direction] = value
     skipped = pld_module._compose_on(steps, deltas, grid, shift=shift)
     assert max(skipped["remove"], skipped["add"] + shift) == max(both["remove"], both["add"] + shift)

@@ -124,7 +124,7 @@ import numpy as np
 
 from .. import background
 from . import ledger as ledger_module
-from . import lowfreq
+from . import lowfreq, rare
 from .gaussian import (
     gaussian_epsilon,
     gaussian_mu,
@@ -263,8 +263,17 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool
     except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
         pld = 0.0 if lower else math.inf  # no PLD answer here: the other bounds stand
     if lower:
-        return pld
+        return max(pld, _split_lower(tuple(steps), deltas, shift, pld))
     return min(pld, ceiling, _all_orders_rdp(bounded, rest_delta, min(pld, ceiling)))
+
+
+def _split_lower(steps: tuple, deltas: dict, shift: float, found: float) -> float:
+    """The lower bound of :func:`~dpoptim.accounting.rare.split_lower_bound` (each step's
+    small losses merged into one outcome): far closer than the grid's where one rare loss
+    decides epsilon. ``found``: the grid's lower bound, which sizes its bins (the RDP
+    guess where that is 0)."""
+    scale = found if found > 0 else _rdp_guess(steps, min(deltas.values()))
+    return _shifted_max({d: rare.split_lower_bound(steps, d, deltas[d], scale) for d in deltas}, shift)
 
 
 def _grouped(subsampled: list, max_groups: int | None, mu: float, lower: bool) -> tuple[list, tuple | None]:
@@ -557,11 +566,26 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
     for direction in sorted(epsilons, key=lambda d: epsilons[d] + offsets[d], reverse=True):
         other = _ADD if direction == _REMOVE else _REMOVE
         if first[direction][1] and epsilons[direction] + offsets[direction] >= epsilons[other] + offsets[other]:
-            own = None if mixture is not None else _own_tilt(steps, direction, grid, deltas[direction])
-            epsilons[direction] = _refined(functools.partial(compose, direction), grid, epsilons[direction], own)
+            epsilons[direction] = _rounding_bound(steps, direction, grid, deltas[direction], epsilons[direction],
+                                                  functools.partial(compose, direction), mixture is None)
             if bound is not None:
                 bound.add(direction)
     return epsilons
+
+
+def _rounding_bound(steps: tuple, direction: str, grid: _Grid, delta: float, value: float, compose,
+                    plain: bool = True) -> float:
+    """The smallest of ``value`` (float64 on ``grid``, decided by rounding) and the other
+    sound answers for ``direction``: where one rare loss may decide epsilon, the split
+    of :mod:`.rare`, which stands alone where rounding does not decide it; otherwise
+    :func:`_refined` (``compose(grid, dtype)`` at other tilts and precisions). ``plain``:
+    ``steps`` are what is composed (not mixture groups' corners), so both apply."""
+    split = rare.split_epsilon(steps, direction, delta, value) if plain else None
+    if split is not None and not split[1]:
+        return min(value, split[0])
+    own = _own_tilt(steps, direction, grid, delta) if plain else None
+    value = _refined(compose, grid, value, own)
+    return value if split is None else min(value, split[0])
 
 
 def _refined(compose, grid: _Grid, value: float, own_tilt: float | None = None) -> float:
@@ -1694,12 +1718,15 @@ def _transform_batch(items, n: int, tilt: float, dtype, optimistic: bool) -> lis
 
 def _placed_transform(rows: list, n: int, dtype) -> np.ndarray:
     """The rfft of each ``(first, masses)`` placed at index ``first`` mod ``n`` (a support
-    shorter than ``n``), as one 2-D transform into the thread's buffers (valid until the
+    longer than ``n`` is folded: the circular composition does that anyway, and the
+    window's bounds cover what lands beyond it), as one 2-D transform into the thread's buffers (valid until the
     next call); the input buffer is all zeros again afterwards, whatever happened."""
     placed, spectra = _buffers(len(rows), n, dtype)
     where = []
     try:
         for row, (first, masses) in enumerate(rows):
+            if masses.size > n:  # longer than the circle (a lower bound's lowered window): fold it
+                masses = np.pad(masses, (0, -masses.size % n)).reshape(-1, n).sum(axis=0)
             where.append(_circular_slices(first % n, masses.size, n))
             for columns, part in where[-1]:
                 placed[row, columns] = masses[part]
