@@ -28,7 +28,7 @@ from .ledger import (
     check_noise_multiplier,
     check_sample_rate,
 )
-from .pld import PLDAccountant, model_epsilon, pld_epsilon, steering_epsilon
+from .pld import PLDAccountant, coarse_epsilon, model_epsilon, pld_epsilon, steering_epsilon
 from .rdp import DEFAULT_ORDERS, RDPAccountant, conversion_terms, ledger_rdp, rdp_subsampled_gaussian
 
 __all__ = [
@@ -130,7 +130,7 @@ def calibrate_noise(target_epsilon, delta, sample_rate, steps, accountant: str =
                        tolerance=_STEERING_TOLERANCE)
         # A PLD on a fixed coarse grid (an upper bound too, a little looser) brings the RDP
         # answer to within a few percent cheaply; the accountant itself finishes.
-        coarse = _solve(lambda sigma: pld_epsilon([(sigma, q, steps)], delta, _COARSE_GRID), target, guess, close=True,
+        coarse = _solve(lambda sigma: coarse_epsilon([(sigma, q, steps)], delta, _COARSE_GRID), target, guess, close=True,
                         max_evaluations=_STEERING_EVALUATIONS, tolerance=_STEERING_TOLERANCE,
                         resolution=_STEERING_RESOLUTION)
         return _finish(lambda sigma: eps(sigma, "pld"), target, coarse, q, steps, delta)
@@ -140,7 +140,7 @@ def calibrate_noise(target_epsilon, delta, sample_rate, steps, accountant: str =
             f"(its bound never falls below {rdp_floor:.3g} for any noise multiplier); "
             f"use accountant='pld', which meets any positive target"
         )
-    coarse = _solve(lambda sigma: pld_epsilon([(sigma, q, steps)], delta, _COARSE_GRID), target, start,
+    coarse = _solve(lambda sigma: coarse_epsilon([(sigma, q, steps)], delta, _COARSE_GRID), target, start,
                     max_evaluations=_STEERING_EVALUATIONS, tolerance=_STEERING_TOLERANCE,
                     resolution=_STEERING_RESOLUTION)
     return _finish(lambda sigma: eps(sigma, "pld"), target, coarse, q, steps, delta)
@@ -243,7 +243,7 @@ def _modelled_start(accountant, start: float, band: tuple, aim: float, q: float,
     scaled to it solved again (``previous``: the point evaluated). ``previous`` is None
     where the model gives no second point or the first is in the ``band`` (floor,
     target): ``sigma`` is then the point evaluated (with the coarse PLD's slope)."""
-    model = functools.partial(_modelled, start, pld_epsilon([(start, q, steps)], delta, _COARSE_GRID), aim=aim,
+    model = functools.partial(_modelled, start, coarse_epsilon([(start, q, steps)], delta, _COARSE_GRID), aim=aim,
                               q=q, steps=steps, delta=delta)
     own = model(start, None, tolerance=1e-3)  # only a start: the model is a percent or so off
     sigma = own[0] if own is not None and abs(math.log(own[0] / start)) <= _MODEL_REACH else start
@@ -337,7 +337,7 @@ def _coarse_slope(sigma: float, q: float, steps: int, delta: float) -> float:
     spacing changes) spoils at most one of the two narrow baselines and little of the
     wide one, so the median is one that it does not spoil much."""
     factors = (0.95, 0.98, 1.0, 1.02, 1.05)
-    values = dict(zip(factors, (pld_epsilon([(sigma * f, q, steps)], delta, _COARSE_GRID) for f in factors)))
+    values = dict(zip(factors, (coarse_epsilon([(sigma * f, q, steps)], delta, _COARSE_GRID) for f in factors)))
     slopes = []
     for low, high in ((0.98, 1.0), (1.0, 1.02), (0.95, 1.05)):
         if 0 < values[high] < values[low] < math.inf:
@@ -352,9 +352,9 @@ def _near_zero_rate(sigma: float, q: float, steps: int, delta: float) -> float |
     None. The coarse PLD is off by about a constant there (its rounding), which leaves
     the rate; epsilon being convex, the chord's rate is a little above the rate at
     ``sigma``."""
-    if pld_epsilon([(sigma * 1.02, q, steps)], delta, _COARSE_GRID) > 0:
+    if coarse_epsilon([(sigma * 1.02, q, steps)], delta, _COARSE_GRID) > 0:
         return None
-    below, at = (pld_epsilon([(sigma * f, q, steps)], delta, _COARSE_GRID) for f in (0.995, 1.0))
+    below, at = (coarse_epsilon([(sigma * f, q, steps)], delta, _COARSE_GRID) for f in (0.995, 1.0))
     rate = (below - at) / -math.log(0.995)
     return rate if 0 < rate < math.inf else None
 

@@ -160,6 +160,14 @@ def pld_epsilon(runs, delta, grid_points: int | None = None, max_groups: int | N
     return _pld_epsilon(Ledger(runs).runs, delta, grid_points, max_groups=_check_max_groups(max_groups))
 
 
+def coarse_epsilon(runs, delta, grid_points: int) -> float:
+    """:func:`pld_epsilon` on a grid of ``grid_points`` points alone: no split of a rare
+    loss (:mod:`.rare`) on a grid of its own. Sound, looser where rounding decides, and
+    cheap: what steers a calibration before the accountant finishes it."""
+    delta = check_delta(delta)
+    return _pld_epsilon(Ledger(runs).runs, delta, _check_grid_points(grid_points), rare_split=False)
+
+
 def pld_epsilon_lower_bound(runs, delta, grid_points: int | None = None, max_groups: int | None = None) -> float:
     """A rigorous *lower* bound on the exact epsilon of a ledger (never reported as a guarantee).
 
@@ -206,7 +214,7 @@ def _blind_share(runs) -> float:
 
 @functools.lru_cache(maxsize=256)
 def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool = False,
-                 max_groups: int | None = None) -> float:
+                 max_groups: int | None = None, rare_split: bool = True) -> float:
     r"""The PLD epsilon of validated, merged runs, never above the other sound bounds.
 
     **Noiseless steps** (``sigma = 0``) are exact, not infinite. Such a step releases the
@@ -258,8 +266,8 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool
     bounded = tuple(Run(*step) for step in steps) if mixture else noisy
     ceiling = math.inf if lower else _other_bounds(bounded, rest_delta)
     try:
-        pld = _shifted_max(_compose_and_invert(tuple(steps), deltas, grid_points, lower, ceiling, mixture, shift),
-                           shift)
+        pld = _shifted_max(_compose_and_invert(tuple(steps), deltas, grid_points, lower, ceiling, mixture, shift,
+                                               rare_split), shift)
     except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
         pld = 0.0 if lower else math.inf  # no PLD answer here: the other bounds stand
     if lower:
@@ -369,7 +377,8 @@ def model_epsilon(sigma: float, q: float, count: int, delta: float, anchor: floa
     """A quick PLD epsilon of ``count`` steps at ``(sigma, q)``, to steer a calibration.
 
     Computed on one grid for every ``sigma``: the one chosen for ``anchor`` and an
-    epsilon near ``guess``, of at most :data:`_MODEL_POINTS` points. The accountant
+    epsilon near ``guess``, of at most :data:`_MODEL_POINTS` points (or, beyond the body
+    of the loss, the split's of :mod:`.rare` for ``guess``). The accountant
     chooses its grid for each ledger, and where its spacing halves, its epsilon moves by
     a little; on a fixed grid epsilon is smooth in sigma, so a search near ``anchor``
     converges in a few steps, and a coarser grid's constant offset from the accountant
@@ -380,9 +389,14 @@ def model_epsilon(sigma: float, q: float, count: int, delta: float, anchor: floa
     if not (0.0 < sigma < math.inf and 0.0 < anchor < math.inf and 0.0 < q < 1.0 and count > 0):
         return None
     try:
-        grid = _model_grid(anchor, q, count, delta, guess)
         deltas = {_REMOVE: delta, _ADD: delta}
-        return _shifted_max(_compose_on(((sigma, q, count),), deltas, grid), 0.0)
+        steps = ((sigma, q, count),)
+        if _beyond_body(steps, _rdp_guess(steps, delta), delta):  # as the accountant: the split, sized by ``guess``
+            early = _split_first(steps, deltas, guess, again=False)
+            if early is not None:
+                return max(early.values())
+        grid = _model_grid(anchor, q, count, delta, guess)
+        return _shifted_max(_compose_on(steps, deltas, grid), 0.0)
     except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
         return None
 
@@ -452,7 +466,7 @@ class _Grid:
 
 
 def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, lower: bool = False,
-                        ceiling: float = math.inf, mixture=None, shift: float = 0.0) -> dict:
+                        ceiling: float = math.inf, mixture=None, shift: float = 0.0, rare_split: bool = True) -> dict:
     """Epsilon of each direction, each at its own delta, on one grid.
 
     ``grid_points=None``: the grid is sized from the RDP guess of epsilon (see
@@ -461,10 +475,12 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
     that the caller reports instead, so that a finer grid would not change the result.
     ``mixture``: mixture groups (:mod:`.mixture`) composed in place of ``steps``, their
     corners, which size the grid. ``shift``: added to the add direction's epsilon by the
-    caller (see :func:`_compose_on`)."""
+    caller (see :func:`_compose_on`). ``rare_split``: see :func:`_rounding_bound`."""
     delta = min(deltas.values())
     bound: set = set()  # the directions whose float64 answer rounding decided
-    compose_on = _lower_on if lower else functools.partial(_compose_on, mixture=mixture, shift=shift, bound=bound)
+    split: set = set()  # ... and of those, the ones the split of :mod:`.rare` answered
+    compose_on = _lower_on if lower else functools.partial(_compose_on, mixture=mixture, shift=shift, bound=bound,
+                                                            split=split, rare_split=rare_split)
     if grid_points is not None:
         return compose_on(steps, deltas, _choose_grid(steps, delta, _fft_size(grid_points)))
     first, last = AUTO_GRID_POINTS
@@ -481,7 +497,13 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
     # Sized without the spread test (the RDP guess lies beyond the body of the loss), the
     # grid is checked on the PLD's answer even where another bound is below it.
     unspread = _beyond_body(steps, guess, delta)
+    if unspread and rare_split and not lower and mixture is None:
+        early = _split_first(steps, deltas, guess, shift=shift)
+        if early is not None:
+            return early
     epsilons = compose_on(steps, deltas, grid)
+    if max(epsilons, key=lambda d: epsilons[d] + (shift if d == _ADD else 0.0)) in split:
+        return epsilons  # the split's own grid answered the reported direction: no grid here can do better
     guess = max(epsilons.values()) / strict
     if (grid.n < last and (guess < ceiling or unspread)
             and not _fine_for(steps, grid.spacing, guess, delta, grid.tilt)):
@@ -497,6 +519,25 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
         epsilons = _smaller_with(steps, deltas, epsilons, compose_on,
                                  _coarser_grid(steps, delta, grid, max(epsilons.values()), first))
     return epsilons
+
+
+def _split_first(steps: tuple, deltas: dict, guess: float, again: bool = True, shift: float = 0.0) -> dict | None:
+    """Each direction's epsilon by the split of :mod:`.rare`, sized from ``guess`` (an upper
+    estimate; ``again``: see :func:`~dpoptim.accounting.rare.split_epsilon`), where it
+    answers both without rounding deciding (else None): beyond the body of the loss,
+    where rare losses decide epsilon, its grid is the finer one. Removal first; addition
+    is first sized for removal's answer (with ``again``), and only sized for its own
+    where it is above (``shift``: added to it by the caller), as only the larger is
+    reported."""
+    removal = rare.split_epsilon(steps, _REMOVE, deltas[_REMOVE], guess, again)
+    if removal is None or removal[1]:
+        return None
+    addition = rare.split_epsilon(steps, _ADD, deltas[_ADD], max(removal[0], 1e-300) if again else guess, again=False)
+    if again and addition is not None and addition[0] + shift > removal[0]:
+        addition = rare.split_epsilon(steps, _ADD, deltas[_ADD], addition[0], again)
+    if addition is None or addition[1]:
+        return None
+    return {_REMOVE: removal[0], _ADD: addition[0]}
 
 
 def _smaller_with(steps: tuple, deltas: dict, epsilons: dict, compose_on, other) -> dict:
@@ -549,14 +590,15 @@ def _shorter_cut_grid(steps: tuple, delta: float, grid: _Grid, guess: float):
 
 
 def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: float = 0.0,
-                bound: set | None = None) -> dict:
+                bound: set | None = None, split: set | None = None, rare_split: bool = True) -> dict:
     """Epsilon of each direction on ``grid``: both composed side by side in float64, then
     refined where rounding decides a direction's answer (:func:`_refined`), unless that
     direction cannot set the reported ``max(remove, add + shift)``. Refining only lowers
     a value (the smaller of sound answers is kept), so a direction already below the
     other's final value leaves the maximum as it is: the larger is refined first (on a
     tie, both), then the other if it is now at least as large. The result is the maximum
-    that refining both would give. Each direction refined is added to ``bound``."""
+    that refining both would give. Each direction refined is added to ``bound``, or to
+    ``split`` where the split of :mod:`.rare` alone answered it (tried with ``rare_split``)."""
     def compose(direction: str, on: _Grid, dtype) -> tuple[float, bool]:
         return _compose_direction(steps, direction, on, deltas[direction], dtype, mixture=mixture)
 
@@ -566,26 +608,28 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
     for direction in sorted(epsilons, key=lambda d: epsilons[d] + offsets[d], reverse=True):
         other = _ADD if direction == _REMOVE else _REMOVE
         if first[direction][1] and epsilons[direction] + offsets[direction] >= epsilons[other] + offsets[other]:
-            epsilons[direction] = _rounding_bound(steps, direction, grid, deltas[direction], epsilons[direction],
-                                                  functools.partial(compose, direction), mixture is None)
-            if bound is not None:
-                bound.add(direction)
+            epsilons[direction], by_split = _rounding_bound(steps, direction, grid, deltas[direction],
+                                                            epsilons[direction], functools.partial(compose, direction),
+                                                            mixture is None, rare_split)
+            if bound is not None and split is not None:
+                (split if by_split else bound).add(direction)
     return epsilons
 
 
 def _rounding_bound(steps: tuple, direction: str, grid: _Grid, delta: float, value: float, compose,
-                    plain: bool = True) -> float:
+                    plain: bool = True, rare_split: bool = True) -> tuple[float, bool]:
     """The smallest of ``value`` (float64 on ``grid``, decided by rounding) and the other
     sound answers for ``direction``: where one rare loss may decide epsilon, the split
     of :mod:`.rare`, which stands alone where rounding does not decide it; otherwise
     :func:`_refined` (``compose(grid, dtype)`` at other tilts and precisions). ``plain``:
-    ``steps`` are what is composed (not mixture groups' corners), so both apply."""
-    split = rare.split_epsilon(steps, direction, delta, value) if plain else None
+    ``steps`` are what is composed (not mixture groups' corners), so both apply (the
+    split only with ``rare_split``). Returns the value and whether the split alone gave it."""
+    split = rare.split_epsilon(steps, direction, delta, value) if plain and rare_split else None
     if split is not None and not split[1]:
-        return min(value, split[0])
+        return min(value, split[0]), True
     own = _own_tilt(steps, direction, grid, delta) if plain else None
     value = _refined(compose, grid, value, own)
-    return value if split is None else min(value, split[0])
+    return (value if split is None else min(value, split[0])), False
 
 
 def _refined(compose, grid: _Grid, value: float, own_tilt: float | None = None) -> float:

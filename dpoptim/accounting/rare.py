@@ -71,27 +71,29 @@ _LAMBDAS = np.geomspace(1e-2, 1e7, 73)
 # --- upper bound ----------------------------------------------------------------------
 
 
-def split_epsilon(steps: tuple, direction: str, delta: float, guess: float,
+def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, again: bool = True,
                   dtype=np.float64) -> tuple[float, bool] | None:
     """Epsilon of one direction of ``steps`` (``(sigma, q, count)`` each) by the split,
     and whether rounding decides it; None where no split applies (no rare tail, or a
     window too wide). ``guess``: an estimate of epsilon (an upper bound), which sizes the
     grid: a bin at most 2^-10 of it, finer where the bulk's spread asks
-    (:func:`_bulk_spacing`)."""
+    (:func:`_bulk_spacing`). With ``again``, the grid is sized anew for the answer while
+    that is below the power of two the guess was sized by, and the last answer is
+    returned: the grid of the largest power of two at or below its own answer, whatever
+    the guess above it, so that epsilon stays monotone in the ledger."""
     if not (0.0 < guess < math.inf) or not steps:
         return None
+    total = sum(count for _, _, count in steps)
     answer = None
-    for _ in range(2):  # once more on its own answer where the guess was more than twice that
+    for _ in range(8):
         scale = 2.0 ** math.floor(math.log2(guess))  # the cache key holds the guess to within a factor of 2
-        total = sum(count for _, _, count in steps)
         # at most 2^-10 of the scale, and a mean shift of connect-the-dots, T h^2 / 8, at most 10^-3 of it
         finest = min(scale * 2.0**-10, 2.0 ** math.floor(0.5 * math.log2(8e-3 * scale / total)))
         found = _split_epsilon(tuple(steps), direction, delta, finest, scale, np.dtype(dtype).str)
         if found is None:
             return answer
-        if answer is None or found[0] < answer[0]:
-            answer = found
-        if not 0.0 < found[0] < scale / 2.0:
+        answer = found
+        if not (again and 0.0 < found[0] < scale):
             break
         guess = found[0]
     return answer
@@ -100,111 +102,231 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float,
 @functools.lru_cache(maxsize=16)
 def _split_epsilon(steps: tuple, direction: str, delta: float, spacing: float, scale: float, dtype: str):
     dtype = np.dtype(dtype)
-    tail = _pld._TAIL_FRACTION * delta
-    h = _bulk_spacing(steps, direction, spacing, scale, tail)
-    while h <= spacing:
-        parts = _split_parts(steps, direction, h, tail, delta)
-        if parts is None:
-            return None
-        constant, terms = parts
-        profiles = [_term_profile(term, h, delta, dtype) for term in terms]
-        if all(profile is not None for profile in profiles):
-            return _invert(profiles, constant, delta)
+    floor, cut = _cuts(steps, direction, delta)
+    bottom = min(float(_pld._loss_of_z(-_pld._GAUSS_TAIL * sigma, sigma, q, direction)) for sigma, q, _ in steps)
+    reach = max(float(_pld._loss_of_z(1.0 + _pld._GAUSS_TAIL * sigma, sigma, q, direction)) for sigma, q, _ in steps)
+    if not reach > cut + scale / 4.0:
+        cut = None  # no upper tail reaches epsilon's scale (addition, at tiny q)
+    if not floor - bottom > (reach if cut is None else cut) - floor:
+        floor = None  # a lower tail would not halve the bulk's support
+    h = _bulk_spacing(steps, direction, spacing, scale, bottom if floor is None else floor,
+                      reach if cut is None else cut)
+    while h <= scale / 64.0:
+        found = _split_on(steps, direction, delta, h, (floor, cut), scale, dtype)
+        if found is not _TOO_WIDE:
+            return found
         h *= 2.0  # a window too wide for the finest grid: try a coarser one
     return None
 
 
-def _bulk_spacing(steps: tuple, direction: str, spacing: float, scale: float, tail: float) -> float:
+#: The loss distribution of no step at all: loss 0 for sure.
+_NOTHING = np.ones(1)
+_NOTHING.setflags(write=False)
+
+#: What :func:`_split_on` returns where a window needs more than :data:`_MAX_POINTS`.
+_TOO_WIDE = object()
+
+
+def _bulk_spacing(steps: tuple, direction: str, spacing: float, scale: float, floor: float, cut: float) -> float:
     r"""The coarsest power-of-two spacing, at most ``spacing``, for which connect-the-dots
     spreads the composed bulk by at most :data:`_SPREAD_SHARE` of ``scale``: a loss
     :math:`\ell` much smaller than a bin ``h`` becomes ``h`` with chance about
     :math:`\ell / h`, a variance of about :math:`h |\ell|`, so the composed variance grows
-    by about :math:`h \sum_r c_r \mathbb E|L_r|` over the bulk (at most ``scale / 4``)."""
-    bottoms, tops = _pld._tail_ends(steps, spacing, -(2**62), 2**62, tail)
-    absolute = 0.0
-    for (sigma, q, count), bottom, top in zip(steps, bottoms[direction], tops[direction]):
-        if top - bottom > _MAX_POINTS:
-            return math.inf
-        first, masses, _ = _pld._step_distribution(sigma, q, direction, spacing, bottom, top)
-        losses = (first + np.arange(masses.size)) * spacing
-        absolute += count * float(masses @ np.where(np.abs(losses) <= scale / 4.0, np.abs(losses), 0.0))
+    by about :math:`h \sum_r c_r \mathbb E|L_r|` over the bulk (losses from ``floor`` to ``cut``)."""
+    absolute = math.fsum(count * _mean_absolute(sigma, q, direction, floor, cut) for sigma, q, count in steps)
     if not absolute > 0.0:
         return spacing
     return min(spacing, 2.0 ** math.floor(math.log2((_SPREAD_SHARE * scale) ** 2 / absolute)))
 
 
-def _split_parts(steps: tuple, direction: str, h: float, tail: float, delta: float):
-    """``(constant, terms)`` of the split on spacing ``h``, or None without a rare tail.
+def _mean_absolute(sigma: float, q: float, direction: str, floor: float, cut: float) -> float:
+    """E_P[|L|; floor <= L <= cut] by Gauss-Hermite quadrature (a guide for the grid only)."""
+    total = 0.0
+    for weight, mean in _pld._components(q, direction):
+        losses = _pld._loss_of_z(mean + sigma * _pld._HERMITE_X, sigma, q, direction)
+        kept = (losses >= floor) & (losses <= cut)
+        total += weight * float(_pld._HERMITE_W @ np.where(kept, np.abs(losses), 0.0))
+    return total
 
-    ``constant`` counts in full the mass at +inf and the terms beyond; each term is a
-    list of ``(log_weight, factors)`` products, a factor ``(first, masses, count)``."""
-    bottoms, tops = _pld._tail_ends(steps, h, -(2**62), 2**62, tail)
-    if sum(top - bottom for top, bottom in zip(tops[direction], bottoms[direction])) > 2 * _MAX_POINTS:
-        return None
-    distributions = [_pld._step_distribution(sigma, q, direction, h, bottom, top)
-                     for (sigma, q, _), bottom, top in zip(steps, bottoms[direction], tops[direction])]
-    counts = [count for _, _, count in steps]
-    cut = _cut_index(distributions, counts, math.sqrt(2.0 * _BEYOND_SHARE * delta))
-    if cut is None:
-        return None
-    bulks, tails = [], []
-    for first, masses, _ in distributions:
-        keep = min(max(cut - first + 1, 0), masses.size)
-        if keep == 0:
-            return None
-        bulks.append((first, masses[:keep]))
-        tails.append((first + keep, masses[keep:]))
-    tail_total = math.fsum(c * float(t.sum()) for c, (_, t) in zip(counts, tails))
-    # The tails' far ends count in full: one tail step's window ends where they start.
-    end = _cut_index(tails, counts, _BEYOND_SHARE * delta)
-    far = 0.0
-    if end is not None:
-        for r, (first, masses) in enumerate(tails):
-            keep = min(max(end - first + 1, 0), masses.size)
-            far += counts[r] * float(masses[keep:].sum())
-            tails[r] = (first, masses[:keep])
-    log_finite = sum(c * math.log1p(-p_inf) for c, (_, _, p_inf) in zip(counts, distributions))
-    constant = -math.expm1(log_finite) + tail_total * tail_total / 2.0 + far
-    alone = [(0.0, [(first, masses, c) for (first, masses), c in zip(bulks, counts) if masses.size])]
-    one = []
-    for r, (t_first, t_masses) in enumerate(tails):
-        if not t_masses.size or not t_masses.any():
+
+@functools.lru_cache(maxsize=16)
+def _cuts(steps: tuple, direction: str, delta: float) -> tuple[float, float]:
+    """``(floor, cut)``: the largest loss ``f`` and the smallest ``a`` (each to a part in
+    2^32 of the range) whose exact tails below ``f`` and above ``a``,
+    :math:`\\sum_r c_r \\Pr_P[L_r \\le f]` and :math:`\\sum_r c_r \\Pr_P[L_r > a]`, are each at
+    most half of ``w`` with :math:`w^2 / 2` = ``delta / 1024``: the terms with two tail
+    steps or more hold at most that."""
+    allowed = math.sqrt(2.0 * _BEYOND_SHARE * delta) / 2.0
+
+    def weight(x: float, side: int) -> float:
+        return math.fsum(count * math.exp(float(_pld._bin_log_masses(sigma, q, direction, np.array([x]))[3][side]))
+                         for sigma, q, count in steps)
+
+    low = min(float(_pld._loss_of_z(-_pld._GAUSS_TAIL * sigma, sigma, q, direction)) for sigma, q, _ in steps)
+    high = max(float(_pld._loss_of_z(1.0 + _pld._GAUSS_TAIL * sigma, sigma, q, direction)) for sigma, q, _ in steps)
+    ends = []
+    for side in (0, 1):  # 0: the mass at or below x, to stay within; 1: the mass above x
+        inside, outside = (low, high) if side == 0 else (high, low)
+        if weight(outside, side) <= allowed:
+            ends.append(outside)
             continue
-        factors = [(t_first, t_masses, 1)]
-        for s, ((first, masses), c) in enumerate(zip(bulks, counts)):
-            c -= s == r
-            if c > 0 and masses.size:
-                factors.append((first, masses, c))
-        one.append((math.log(counts[r]), factors))
-    return constant * (1.0 + 1e-12), [alone, one]
+        for _ in range(32):
+            middle = 0.5 * (inside + outside)
+            if weight(middle, side) <= allowed:
+                inside = middle
+            else:
+                outside = middle
+        ends.append(inside)
+    return ends[0], ends[1]
 
 
-def _cut_index(distributions: list, counts: list, allowed: float) -> int | None:
-    """The smallest grid index with :math:`\\sum_r c_r |t_r| \\le` ``allowed``, ``t_r`` the
-    masses of ``distributions`` (``(first, masses, ...)`` each) above it; None where only
-    the last index of all (nothing above) fits."""
-    low = min(first for first, *_ in distributions)
-    high = max(first + masses.size - 1 for first, masses, *_ in distributions)
-    total = np.zeros(high - low + 2)  # total[i]: the weight above index low + i - 1
-    for (first, masses, *_), count in zip(distributions, counts):
-        above = np.concatenate([np.cumsum(masses[::-1])[::-1], [0.0]])
-        start = first - low
-        total[start:start + above.size] += count * above
-        total[:start] += count * above[0]
-    fits = np.flatnonzero(total <= allowed * (1.0 - 1e-9))
-    index = int(fits[0]) if fits.size else total.size
-    if index >= total.size - 1:
+def _split_on(steps: tuple, direction: str, delta: float, h: float, ends: tuple, scale: float, dtype):
+    """The split's ``(epsilon, rounding decides)`` with bulks on spacing ``h`` between the
+    losses ``ends = (floor, cut)`` (None: no tail on that side; neither: each step whole
+    is its bulk), or None where no bulk is left, or :data:`_TOO_WIDE` where a window
+    does not fit.
+
+    The term with no tail step is composed on its own window (:func:`_term_profile`).
+    The term with one, :math:`\\sum_r c_r\\, t_r * b_r^{*(c_r-1)} * \\prod_{s \\ne r}
+    b_s^{*c_s}`, is read as :math:`\\sum_r c_r \\sum_j t_{r,j} D_r(\\varepsilon - l_{r,j})`,
+    ``D_r`` the profile of the bulks without one step of run ``r`` (composed at two tilts,
+    the smaller bound kept at each point), ``t_r`` run ``r``'s tails at losses
+    :math:`l_{r,j}`: exact for the discrete distributions, and no transform spans a
+    tail."""
+    tail_share = _pld._TAIL_FRACTION * delta
+    bottoms, tops = _pld._tail_ends(steps, h, -(2**62), 2**62, tail_share)
+    bottoms, tops = bottoms[direction], tops[direction]
+    if ends == (None, None):
+        return _whole(steps, direction, delta, h, bottoms, tops, dtype)
+    floor, cut = ends
+    step = scale * 2.0**-12  # the tails' finest bin
+    lows = [bottom if floor is None else max(bottom, math.ceil(floor / h)) for bottom in bottoms]
+    highs = [top if cut is None else min(top, math.floor(cut / h)) for top in tops]
+    if any(high <= low for low, high in zip(lows, highs)):
         return None
-    return low + index - 1
+    if any(high - low > _MAX_POINTS for low, high in zip(lows, highs)):
+        return _TOO_WIDE
+    bulks = [(low, _bulk(sigma, q, direction, h, low, high, low > bottom, high < top, step), count)
+             for (sigma, q, count), low, high, bottom, top in zip(steps, lows, highs, bottoms, tops)]
+    transforms: dict = {}
+    alone = _term_profile(bulks, h, delta, dtype, transforms=transforms)
+    if alone is None:
+        return _TOO_WIDE
+    readers, log_finite, weight = [], 0.0, 0.0
+    for r, (sigma, q, count) in enumerate(steps):
+        others = [(first, masses, c - (s == r)) for s, (first, masses, c) in enumerate(bulks) if c - (s == r)]
+        others = others or [(0, _NOTHING, 1)]  # one step in all: its tail alone
+        profiles = [_term_profile(others, h, delta, dtype, tilt, transforms) for tilt in (None, 0.0)]
+        if any(profile is None for profile in profiles):
+            return _TOO_WIDE
+        reach = max(float(profile.losses[-1] - profile.losses[0]) for profile in profiles) + 2.0 * scale
+        start = 2.0 * scale - min(float(profile.losses[0]) for profile in profiles)
+        losses, masses, p_inf = _tails(sigma, q, direction, h, (bottoms[r], lows[r], highs[r], tops[r]), step,
+                                       (reach, start))
+        readers.append(_Tail(count, masses, losses, profiles))
+        weight += count * float(masses.sum())
+        log_finite += count * math.log1p(-p_inf)
+    constant = (-math.expm1(log_finite) + weight * weight / 2.0) * (1.0 + 1e-12)
+    return _invert(alone, readers, constant, delta)
+
+
+def _bulk(sigma, q, direction, h, low: int, high: int, below: bool, above: bool, step: float) -> np.ndarray:
+    """One step's bulk: its connect-the-dots masses at grid points ``low .. high`` (of
+    spacing ``h``) where the grid goes on ``step`` below (``below``) and above (``above``)
+    into the tails, whose points those are; a side without a tail ends the grid there,
+    as :func:`~dpoptim.accounting.pld._grid_distribution` does (its mass at +inf is the
+    tail's, :func:`_tails`, or where there is no upper tail, accounted there too)."""
+    points = np.arange(low, high + 1) * h
+    points = np.concatenate([[low * h - step] if below else [], points, [high * h + step] if above else []])
+    masses, _ = _dots(sigma, q, direction, points)
+    return masses[int(below): masses.size - int(above)]
+
+
+def _tails(sigma, q, direction, h, grid: tuple, step: float, reach: tuple) -> tuple:
+    """``(losses, masses, p_inf)``: one step's tails below grid point ``low`` and above
+    ``high`` (``grid = (bottom, low, high, top)``, the step's own ends ``bottom`` and
+    ``top``), on points ``step`` apart near the bulk, then farther apart
+    (:func:`_tail_points`), and its mass at +inf. ``reach = (below, above)``: how far
+    below the floor the points stay ``step`` apart (the bulk profile's width), and up to
+    which loss above the cut."""
+    bottom, low, high, top = grid
+    losses, masses, p_inf = [], [], 0.0
+    if low > bottom:
+        points = low * h - _tail_points(0.0, step, reach[0], (low - bottom) * h)[::-1]
+        part, _ = _dots(sigma, q, direction, points)
+        losses.append(points[:-1])
+        masses.append(part[:-1])
+    if high < top:
+        points = _tail_points(high * h, step, max(reach[1], high * h + step), top * h)
+        part, p_inf = _dots(sigma, q, direction, points)
+        losses.append(points[1:])
+        masses.append(part[1:])
+    else:
+        p_inf = _dots(sigma, q, direction, np.arange(low, high + 1) * h)[1]
+    return np.concatenate(losses), np.concatenate(masses), p_inf
+
+
+def _whole(steps: tuple, direction: str, delta: float, h: float, bottoms: tuple, tops: tuple, dtype):
+    """:func:`_split_on` without a tail: the steps' whole distributions (connect-the-dots,
+    :func:`~dpoptim.accounting.pld._step_distribution`) composed on the fine grid."""
+    if any(top - bottom > _MAX_POINTS for bottom, top in zip(bottoms, tops)):
+        return _TOO_WIDE
+    factors, log_finite = [], 0.0
+    for (sigma, q, count), bottom, top in zip(steps, bottoms, tops):
+        first, masses, p_inf = _pld._step_distribution(sigma, q, direction, h, bottom, top)
+        factors.append((first, masses, count))
+        log_finite += count * math.log1p(-p_inf)
+    alone = _term_profile(factors, h, delta, dtype)
+    if alone is None:
+        return _TOO_WIDE
+    return _invert(alone, [], -math.expm1(log_finite) * (1.0 + 1e-12), delta)
+
+
+def _tail_points(a: float, step: float, start: float, top: float) -> np.ndarray:
+    """A tail's grid: ``a``, then points ``step`` apart up to ``start``, then gaps growing by
+    a 2^-11 share of the distance beyond ``start``, up to ``top``. Above ``start`` a tail
+    loss ``d`` beyond where it could matter (epsilon less the bulk's lowest loss) costs at
+    most its gap times :math:`e^{-d}`: a 2^-11 share at most."""
+    fine = a + step * np.arange(0.0, max(math.ceil((min(start, top) - a) / step), 1) + 1)
+    if fine[-1] >= top:
+        return np.append(fine[fine < top], top)
+    ratio = 1.0 + 2.0**-11
+    count = math.ceil(math.log1p((top - fine[-1]) / step * (ratio - 1.0)) / math.log(ratio))
+    far = fine[-1] + step * np.expm1(np.arange(1, count + 1) * math.log(ratio)) / (ratio - 1.0)
+    return np.concatenate([fine, far[far < top], [top]])
+
+
+def _dots(sigma: float, q: float, direction: str, points: np.ndarray) -> tuple[np.ndarray, float]:
+    """Connect-the-dots on increasing grid ``points`` (any gaps): ``(masses, p_inf)``, the
+    P-mass at each point and at +inf (:func:`~dpoptim.accounting.pld._grid_distribution`
+    for a uniform grid). Each bin keeps its P- and Q-mass, split between its two end
+    points; the bin below the grid is rounded up to its lowest point; the bin above keeps
+    its Q-mass at the top point and sends the rest to +inf."""
+    _, _, _, log_p, log_qq = _pld._bin_log_masses(sigma, q, direction, points)
+    p = np.exp(log_p)
+    masses = np.zeros(points.size)
+    masses[0] += p[0]
+    gaps = np.diff(points)
+    with np.errstate(invalid="ignore", over="ignore"):
+        share = -np.expm1(log_qq[1:-1] + points[:-1] - log_p[1:-1]) / -np.expm1(-gaps)
+    share = np.clip(np.nan_to_num(share, nan=0.0), 0.0, 1.0)
+    interior = p[1:-1]
+    masses[:-1] += interior * (1.0 - share)
+    masses[1:] += interior * share
+    with np.errstate(over="ignore"):
+        kept = min(1.0, math.exp(min(log_qq[-1] + points[-1] - log_p[-1], 0.0))) if p[-1] > 0 else 0.0
+    masses[-1] += p[-1] * kept
+    return masses, float(p[-1] * (1.0 - kept))
 
 
 class _Profile:
-    """One term's composed profile on its window, read at any epsilon: the exact profile
-    of its grid distribution plus the rounding allowance of the entries above epsilon."""
+    """A composed product of bulks on its window, read at any losses: the exact profile of
+    its grid distribution, plus the rounding allowance of the entries above the point and
+    the wrap-around bound, and never above its total mass (which bounds any profile)."""
 
     def __init__(self, tilted: np.ndarray, log_untilt: np.ndarray, losses: np.ndarray, noise: tuple,
-                 constant: float):
-        self.losses, self.log_untilt, self.noise, self.constant = losses, log_untilt, noise, constant
+                 wrap: float, mass: float):
+        self.losses, self.noise, self.wrap, self.mass = losses, noise, wrap, mass
         n = losses.size
         valid = log_untilt <= 300.0  # beyond, a mass would exceed 1: uncertifiable there
         self.first_valid = int(np.argmax(valid)) if valid.any() else n
@@ -217,52 +339,45 @@ class _Profile:
             spacing = float(losses[-1] - losses[self.first_valid]) / max(size - 1, 1)
             masses[self.first_valid:] = tilted[self.first_valid:] * _pld._exp_linear(start, slope, size)
             weighted[self.first_valid:] = tilted[self.first_valid:] * _pld._exp_linear(start, slope - spacing, size)
-        self.above = _pld._suffix_sum(masses)  # sum over j > i of m_j
-        self.discounted = _pld._suffix_sum(weighted)  # ... of m_j e^{r - l_j}, r the first valid loss
-        self.reference = float(losses[min(self.first_valid, n - 1)])
         self.decay = float(log_untilt[0] - log_untilt[1]) if n > 1 else 0.0
+        # Position i + 1 holds the sums over entries j > i, for i = -1 .. n - 1.
+        self.above = np.concatenate([[masses.sum()], _pld._suffix_sum(masses)])
+        self.discounted = np.concatenate([[weighted.sum()], _pld._suffix_sum(weighted)])  # m_j e^{r - l_j}
+        self.log_untilt = np.concatenate([[log_untilt[0] + self.decay], log_untilt])
+        self.reference = float(losses[min(self.first_valid, n - 1)])
 
-    def at(self, epsilon: float) -> tuple[float, float]:
-        """``(profile, allowance)`` at ``epsilon``: the sum over entries above it of
-        ``m_j (1 - e^{epsilon - l_j})``, plus the wrap-around bound and the rounding
-        allowance of those entries; and that allowance."""
+    def at(self, points: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(profile, allowance)`` at each of ``points``: the sum over entries above it of
+        ``m_j (1 - e^{x - l_j})`` with the bounds above (at most the total mass), and the
+        rounding allowance in it."""
         n = self.losses.size
-        i = int(np.searchsorted(self.losses, epsilon, side="left")) - 1  # l_i < epsilon <= l_{i+1}
-        if i >= n - 1:
-            return self.constant, 0.0
-        if i < self.first_valid:
-            return math.inf, math.inf
-        allowance = float(_pld._allowances(self.noise, np.array([self.log_untilt[i]]), self.decay,
-                                           np.array([n - 1.0 - i]))[0])
-        discounted = float(self.discounted[i])
-        with np.errstate(over="ignore"):
-            subtract = math.exp(epsilon - self.reference + math.log(discounted)) if discounted > 0 else 0.0
-        above = float(self.above[i])
+        i = np.searchsorted(self.losses, points, side="left") - 1  # l_i < x <= l_{i+1}
+        allowance = _pld._allowances(self.noise, self.log_untilt[i + 1], self.decay, (n - 1 - i).astype(float))
+        discounted, above = self.discounted[i + 1], self.above[i + 1]
+        with np.errstate(over="ignore", divide="ignore"):
+            subtract = np.where(discounted > 0, np.exp(points - self.reference + np.log(discounted)), 0.0)
         summing = 4.0 * (n + 4) * _pld._U * (above + subtract)  # the sums' own rounding
-        value = self.constant + allowance + max(above - subtract, 0.0) + summing
-        return (value if value == value else math.inf), allowance
+        value = self.wrap + allowance + np.maximum(above - subtract, 0.0) + summing
+        valid = (i >= self.first_valid) | ((i == -1) & (self.first_valid == 0))
+        value = np.where(valid & (value == value), value, math.inf)
+        value = np.where(i >= n - 1, self.wrap, value)
+        capped = value >= self.mass
+        return np.where(capped, self.mass, value), np.where(capped | (i >= n - 1), 0.0, allowance)
 
 
-def _term_profile(term: list, h: float, delta: float, dtype) -> _Profile | None:
-    """The profile of one term (a sum of products of factors, see :func:`_split_parts`),
-    composed on its own window at its own tilt, or None where the window needs more than
-    :data:`_MAX_POINTS` points."""
+def _term_profile(factors: list, h: float, delta: float, dtype, tilt: float | None = None,
+                  transforms: dict | None = None) -> _Profile | None:
+    """The profile of the product of ``factors`` (``(first, masses, count)`` each, on
+    spacing ``h``), composed on a window certified by Chernoff bounds from their exact
+    moment generating functions (at most a 2^-16 share of ``delta`` beyond it), at
+    ``tilt`` (None: the Chernoff-optimal one at ``delta``, capped against wrap-around),
+    or None where the window needs more than :data:`_MAX_POINTS` points."""
     lambdas = np.concatenate([-_LAMBDAS[::-1], [0.0], _LAMBDAS])
-    log_mgfs = {}
-    cgfs = []
-    for log_weight, factors in term:
-        cgf = np.full(lambdas.shape, log_weight)
-        for first, masses, count in factors:
-            key = id(masses)
-            if key not in log_mgfs:
-                log_mgfs[key] = _pld._log_mgf(first, masses, h, lambdas)
-            cgf = cgf + count * log_mgfs[key]
-        cgfs.append(cgf)
-    cgf = np.logaddexp.reduce(np.array(cgfs), axis=0)
+    cgf = sum(count * _pld._log_mgf(first, masses, h, lambdas) for first, masses, count in factors)
     up, down = cgf[_LAMBDAS.size + 1:], cgf[:_LAMBDAS.size][::-1]
     log_share = math.log(_WRAP_SHARE * delta)
-    lowest = min(sum(count * first for first, _, count in factors) for _, factors in term)
-    highest = max(sum(count * (first + masses.size - 1) for first, masses, count in factors) for _, factors in term)
+    lowest = sum(count * first for first, _, count in factors)
+    highest = sum(count * (first + masses.size - 1) for first, masses, count in factors)
     i_low = max(lowest, math.floor(float(((log_share - down) / _LAMBDAS).max()) / h))
     i_top = min(highest, math.ceil(float(((up - log_share) / _LAMBDAS).min()) / h))
     n = 1 << max(10, (i_top - i_low + 2).bit_length())
@@ -271,79 +386,126 @@ def _term_profile(term: list, h: float, delta: float, dtype) -> _Profile | None:
     beyond = (i_low + n) * h  # composed indices from here on wrap around
     wrap = 0.0 if i_low + n > highest else math.exp(min(float((up - _LAMBDAS * beyond).min()), 0.0))
     log_mass = float(cgf[_LAMBDAS.size])
-    tilt = _pld._choose_tilt(_LAMBDAS, up - log_mass, n * h, min(delta * math.exp(-log_mass), 0.5))
-    tilted, log_untilt, noise = _composed(term, h, i_low, n, tilt, dtype)
-    return _Profile(tilted, log_untilt, (i_low + np.arange(n)) * h, noise, wrap)
+    if tilt is None:
+        tilt = _pld._choose_tilt(_LAMBDAS, up - log_mass, n * h, min(delta * math.exp(-log_mass), 0.5))
+    tilted, log_untilt, noise = _composed(factors, h, i_low, n, tilt, dtype, {} if transforms is None else transforms)
+    return _Profile(tilted, log_untilt, (i_low + np.arange(n)) * h, noise, wrap, math.exp(log_mass))
 
 
-def _composed(term: list, h: float, i_low: int, n: int, tilt: float, dtype) -> tuple:
-    """``(tilted, log_untilt, noise)`` of a term on the window ``i_low .. i_low + n - 1``:
-    the composed tilted masses, the exponents that undo the tilt, and the rounding bounds
-    of :func:`~dpoptim.accounting.pld._rounding_allowance` for a sum of products (each
-    product's error weighted as in the sum; the sum itself adds a round-off per product)."""
-    transforms = {}
-    for _, factors in term:
-        for first, masses, _ in factors:
-            if id(masses) not in transforms:
-                start, values, _, log_mgf = _pld._tilted(first, masses, 0.0, h, tilt)
-                spectrum = _pld._placed_transform([(start, values)], n, dtype)[0].copy()
-                with np.errstate(divide="ignore"):
-                    transforms[id(masses)] = (spectrum, np.log(np.abs(spectrum)), log_mgf)
-    products = []
-    for log_weight, factors in term:
-        log_modulus = angle = 0.0
-        log_scale, log_all_but_one = log_weight, 0.0
-        for first, masses, count in factors:
-            spectrum, log_abs, log_mgf = transforms[id(masses)]
-            log_modulus = log_modulus + count * log_abs
-            angle = angle + _pld._reduced_angles(spectrum.real, spectrum.imag, count)
-            log_all_but_one = log_all_but_one + (count - 1) * log_abs.astype(np.float64)
-            log_scale += count * log_mgf
-        products.append((log_scale, log_modulus, angle, log_all_but_one))
-    top = max(log_scale for log_scale, _, _, _ in products)
-    spectrum = 0.0
-    weight = modulus = 0.0
-    for log_scale, log_modulus, angle, log_all_but_one in products:
-        share = math.exp(log_scale - top)
-        spectrum = spectrum + share * _pld._polar(log_modulus, angle)
-        with np.errstate(under="ignore"):
-            weight = weight + share * np.exp(log_all_but_one)
-            modulus = modulus + share * np.exp(np.asarray(log_modulus, dtype=np.float64))
+def _composed(factors: list, h: float, i_low: int, n: int, tilt: float, dtype, transforms: dict) -> tuple:
+    """``(tilted, log_untilt, noise)`` of a product on the window ``i_low .. i_low + n - 1``:
+    the composed tilted masses, the exponents that undo the tilt, and the bounds of
+    :func:`~dpoptim.accounting.pld._rounding_allowance` (weights: the product of all factors
+    but one of each, as there). ``transforms`` keeps the factors' transforms for the
+    other products of the same split."""
+    log_modulus = angle = 0.0
+    log_scale, log_weight = 0.0, 0.0
+    for first, masses, count in factors:
+        key = (id(masses), first, tilt, n)  # the factors' arrays live as long as ``transforms``
+        if key not in transforms:
+            start, values, _, log_mgf = _pld._tilted(first, masses, 0.0, h, tilt)
+            spectrum = _pld._placed_transform([(start, values)], n, dtype)[0].copy()
+            with np.errstate(divide="ignore"):
+                transforms[key] = (spectrum, np.log(np.abs(spectrum)), log_mgf)
+        spectrum, log_abs, log_mgf = transforms[key]
+        log_modulus = log_modulus + count * log_abs
+        angle = angle + _pld._reduced_angles(spectrum.real, spectrum.imag, count)
+        log_weight = log_weight + (count - 1) * log_abs.astype(np.float64)
+        log_scale += count * log_mgf
+    spectrum = _pld._polar(log_modulus, angle)
     composed = np.fft.irfft(spectrum, n)
     tilted = np.maximum(np.roll(composed, -(i_low % n)).astype(np.float64), 0.0)
-    log_untilt = top - tilt * (i_low + np.arange(n)) * h
+    log_untilt = log_scale - tilt * (i_low + np.arange(n)) * h
     unit = float(np.finfo(dtype).eps) / 2
-    total_steps = sum(count for _, _, count in term[0][1])
-    modulus = modulus * (1.0 + (len(products) + 1) / (4.0 * math.log2(n)))
-    noise = _pld._rounding_allowance(n, total_steps, weight, modulus, unit)
+    total_steps = sum(count for _, _, count in factors)
+    with np.errstate(under="ignore"):
+        noise = _pld._rounding_allowance(n, total_steps, np.exp(log_weight), np.abs(spectrum).astype(np.float64),
+                                         unit)
     return tilted, log_untilt, noise
 
 
-def _invert(profiles: list, constant: float, delta: float) -> tuple[float, bool] | None:
-    """The smallest epsilon >= 0 (to a relative 1e-9) where ``constant`` plus the terms'
-    profiles is certified at most ``delta``, and whether their rounding allowance there
-    exceeds ``delta / 100``; None where none is."""
+class _Tail:
+    """One run's tails, read against the profiles of the other steps' bulks (of one window,
+    at two tilts, the last 0): :math:`c \\sum_j t_j D(\\varepsilon - l_j)` with the smaller bound on
+    ``D`` at each point. Only the tail points whose ``epsilon - l_j`` falls in the window
+    are read one by one; below it ``D`` has a closed form (every entry counts), summed at
+    once from suffix sums over the tail, and above it only the wrap-around bound is left."""
+
+    def __init__(self, count: int, masses: np.ndarray, losses: np.ndarray, profiles: list):
+        self.count, self.masses, self.losses, self.profiles = count, masses, losses, profiles
+        self.low, self.high = float(profiles[0].losses[0]), float(profiles[0].losses[-1])
+        self.offset = float(losses[0]) if losses.size else 0.0
+        self.after = np.concatenate([np.cumsum(masses[::-1])[::-1], [0.0]])  # sum over j >= k of t_j
+        with np.errstate(under="ignore"):
+            scaled = masses * np.exp(self.offset - losses)  # t_j e^{-(l_j - offset)}, at most t_j
+        self.after_scaled = np.concatenate([np.cumsum(scaled[::-1])[::-1], [0.0]])
+        # the closed form below the window is read off the untilted profile (the last): its
+        # totals are accurate, where a tilted one's low entries carry magnified noise
+        self.whole = profiles[-1] if profiles[-1].first_valid == 0 else None
+
+    def read(self, epsilon: float) -> tuple[float, float]:
+        """``(value, allowance)`` of this run's term at ``epsilon``."""
+        below = int(np.searchsorted(self.losses, epsilon - self.low, side="left")) if self.whole else self.losses.size
+        beyond = min(int(np.searchsorted(self.losses, epsilon - self.high, side="left")), below)
+        middle = slice(beyond, below)
+        read = [profile.at(epsilon - self.losses[middle]) for profile in self.profiles]
+        best = np.argmin([v for v, _ in read], axis=0)
+        value = float(self.masses[middle] @ np.choose(best, [v for v, _ in read]))
+        allowance = float(self.masses[middle] @ np.choose(best, [a for _, a in read]))
+        value += min(profile.wrap for profile in self.profiles) * float(self.after[0] - self.after[beyond])
+        if below < self.losses.size:
+            d = self.whole
+            n = d.losses.size
+            everything = float(_pld._allowances(d.noise, d.log_untilt[:1], d.decay, np.array([float(n)]))[0])
+            product = float(d.discounted[0]) * float(self.after_scaled[below])  # 0 (underflow): none taken off
+            with np.errstate(over="ignore"):
+                subtract = math.exp(epsilon - d.reference - self.offset + math.log(product)) if product > 0 else 0.0
+            mass = float(self.after[below])
+            summing = 4.0 * (n + 4) * _pld._U
+            value += (d.wrap + everything + float(d.above[0]) * (1.0 + summing)) * mass - (1.0 - summing) * subtract
+            allowance += everything * mass
+        return self.count * value, self.count * allowance
+
+
+def _invert(alone: _Profile, tails: list, constant: float, delta: float) -> tuple[float, bool] | None:
+    """The smallest epsilon >= 0 (to a relative 1e-8) where ``constant``, the term with no
+    tail step (``alone``) and the terms with one (``tails``, :class:`_Tail`) are certified
+    at most ``delta`` together; and whether their rounding allowance there exceeds
+    ``delta / 100``. None where no epsilon is. The profile falls smoothly in epsilon: the
+    Illinois variant of regula falsi on its logarithm narrows a bracket whose upper end
+    is always certified, in about ten readings."""
     def total(epsilon: float) -> tuple[float, float]:
-        values = [profile.at(epsilon) for profile in profiles]
-        return constant + math.fsum(v for v, _ in values), math.fsum(a for _, a in values)
+        value, allowance = alone.at(np.array([epsilon]))
+        read = [tail.read(epsilon) for tail in tails]
+        parts = [constant, float(value[0])] + [v for v, _ in read]
+        return math.fsum(parts) * (1.0 + 1e-12), float(allowance[0]) + math.fsum(a for _, a in read)
 
-    def fits(epsilon: float) -> bool:
-        return total(epsilon)[0] * (1.0 + 1e-9) <= delta
+    def excess(epsilon: float) -> float:  # log(profile / delta): at most 0 where certified
+        value = total(epsilon)[0]
+        return math.log(value / delta) if value > 0 else -math.inf
 
-    high = max(float(profile.losses[-1]) for profile in profiles)
-    if not fits(high):
+    # beyond every window (the tail's losses added to its profile's), only the wrap-around bounds are left
+    high = max([float(alone.losses[-1])] + [tail.high + float(tail.losses[-1]) for tail in tails if tail.losses.size])
+    low, at_high, at_low = 0.0, excess(high), excess(0.0)
+    if not at_high <= 0.0:
         return None
-    low = 0.0
-    if fits(low):
-        high = low
-    while high - low > 1e-9 * high:
+    if at_low <= 0.0:
+        return 0.0, not total(0.0)[1] <= delta / 100.0
+    kept = 0  # which end the last two steps kept (Illinois: halve the other's weight)
+    while high - low > 1e-8 * high:
         middle = 0.5 * (low + high)
-        if middle in (low, high):
-            break
-        if fits(middle):
-            high = middle
+        if math.isfinite(at_low) and math.isfinite(at_high) and at_low > at_high:
+            middle = high - at_high * (high - low) / (at_high - at_low)
+            middle = min(max(middle, low + 1e-3 * (high - low)), high - 1e-3 * (high - low))
+        at_middle = excess(middle)
+        if at_middle <= 0.0:
+            high, at_high = middle, at_middle
+            at_low = at_low / 2.0 if kept == 1 else at_low
+            kept = 1
         else:
-            low = middle
+            low, at_low = middle, at_middle
+            at_high = at_high / 2.0 if kept == -1 else at_high
+            kept = -1
     return high, not total(high)[1] <= delta / 100.0
 
 

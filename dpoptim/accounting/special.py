@@ -46,7 +46,38 @@ def gammasgn(x):
 
 
 def binom(n, p):
-    """The frozen binomial distribution ``Binomial(n, p)`` (``sf``, ``pmf``, ``cdf``, ...)."""
-    from scipy.stats import binom as distribution
+    """The binomial distribution ``Binomial(n, p)``: its ``pmf``, ``cdf`` and ``sf`` at integer
+    counts, from the special functions ``scipy.stats.binom`` itself calls (importing
+    ``scipy.stats`` costs another 0.7 s or so), or from ``scipy.stats`` where a scipy does
+    not have them."""
+    try:
+        from scipy.special._ufuncs import _binom_cdf, _binom_pmf, _binom_sf
+    except ImportError:  # pragma: no cover - older scipy
+        from scipy.stats import binom as distribution
 
-    return distribution(n, p)
+        return distribution(n, p)
+    return _Binomial(n, p, _binom_pmf, _binom_cdf, _binom_sf)
+
+
+class _Binomial:
+    """``Binomial(n, p)`` with scipy.stats' values, its support's ends included (there the
+    special functions give nan)."""
+
+    def __init__(self, n, p, pmf, cdf, sf):
+        self.n, self.p, self._pmf, self._cdf, self._sf = n, p, pmf, cdf, sf
+
+    def _at(self, function, k, below: float, above: float):
+        k = np.asarray(k, dtype=float)
+        inside = np.clip(k, 0, self.n)
+        with np.errstate(invalid="ignore"):
+            value = function(inside, self.n, self.p)
+        return np.where(k < 0, below, np.where(k > self.n, above, value))[()]
+
+    def pmf(self, k):
+        return self._at(self._pmf, k, 0.0, 0.0)
+
+    def cdf(self, k):
+        return self._at(self._cdf, k, 0.0, 1.0)
+
+    def sf(self, k):
+        return self._at(self._sf, k, 1.0, 0.0)
