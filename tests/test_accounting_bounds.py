@@ -28,6 +28,7 @@ from dpoptim.accounting.ledger import coarsen_runs, member_groups
 from dpoptim.accounting.mixture import LEVELS as MIXTURE_LEVELS
 from dpoptim.accounting.mixture import mixture_group, mixture_groups, rate_weights, sigma_weights
 from dpoptim.accounting import pld as pld_module
+from dpoptim.accounting import rare
 from dpoptim.accounting.pld import pld_epsilon, pld_epsilon_lower_bound
 
 DELTA = 1e-5
@@ -435,6 +436,97 @@ def test_the_lower_bound_keeps_losses_beyond_the_float_range_of_q():
     for steps, delta in ((5, 1e-7), (159, 9.9e-8)):
         runs = [(0.023, 0.00152, steps)]
         assert_bracketed(epsilon_of_ledger(runs, delta), pld_epsilon_lower_bound(runs, delta), rel=1e-3)
+
+
+# --- one rare loss decides: the split (accounting/rare.py) ----------------------------------
+
+
+@pytest.mark.parametrize("sigma", [0.55, 0.661])
+def test_where_one_rare_loss_decides_the_split_brackets_it(sigma):
+    # q 1e-6, 10^6 steps, delta 1e-12: one sampled step about seven deviations out decides
+    # epsilon, and the other steps spread the loss by about 0.003. On the grid alone rounding
+    # decided the answer: 0.8103 and 0.0907, 7.3% and 5.1% above the grid's lower bound
+    # (0.7549 and 0.0863, itself loose). The split composes the rest apart from that step;
+    # its lower twin merges each step's small losses into one outcome (data processing).
+    runs = ((sigma, 1e-6, 10**6),)
+    upper = epsilon_of_ledger(runs, 1e-12)
+    lower = max(rare.split_lower_bound(runs, d, 1e-12, upper) for d in ("remove", "add"))
+    assert_bracketed(upper, lower, rel=0.006)
+
+
+def test_where_the_bulk_spreads_the_loss_the_grids_lower_bound_brackets_the_split():
+    # sigma 0.75 there: epsilon 0.021 is seven times the other steps' spread, which the
+    # merged lower twin gives up (3.9% low), and the grid's lower bound is the closer one.
+    # (That lower bound, on its default grid, failed to broadcast a step's distribution
+    # longer than the transform; such a step is now folded onto the circle.)
+    runs = [(0.75, 1e-6, 10**6)]
+    assert_bracketed(epsilon_of_ledger(runs, 1e-12), pld_epsilon_lower_bound(runs, 1e-12, grid_points=2**18),
+                     rel=0.006)
+
+
+def test_a_step_longer_than_the_transform_is_folded_onto_the_circle():
+    rng = np.random.default_rng(3)
+    masses = rng.random(2500)
+    spectrum = pld_module._placed_transform([(-7, masses)], 1024, np.float64)[0].copy()
+    folded = np.zeros(1024)
+    np.add.at(folded, (-7 + np.arange(masses.size)) % 1024, masses)
+    np.testing.assert_allclose(spectrum, np.fft.rfft(folded), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("sigma, q", [(0.7, 1e-4), (1.0, 3e-3)])
+def test_one_step_split_against_the_exact_profile(sigma, q):
+    # One step: no other step's bulk, the tail read against nothing. Sound, and within 0.5%
+    # of the exact profile where rounding does not decide it; its lower twin is below the
+    # exact epsilon.
+    delta = 1e-10
+    for direction in ("remove", "add"):
+        found = rare.split_epsilon(((sigma, q, 1),), direction, delta, 1.0)
+        assert found is not None, direction
+        value, rounding = found
+        assert one_step_profile(sigma, q, direction, value) <= delta * (1 + 1e-6)
+        assert rounding or value == 0.0 or one_step_profile(sigma, q, direction, value / 1.005) > delta
+        lower = rare.split_lower_bound(((sigma, q, 1),), direction, delta, value)
+        assert lower == 0.0 or one_step_profile(sigma, q, direction, lower) >= delta * (1 - 1e-6)
+
+
+def test_the_split_of_a_ledger_of_two_runs_is_bracketed():
+    # Each run's tail is read against the bulks of all the other steps.
+    runs = ((0.6, 1e-6, 400_000), (0.65, 2e-6, 600_000))
+    upper = epsilon_of_ledger(runs, 1e-12)
+    lower = max(rare.split_lower_bound(runs, d, 1e-12, upper) for d in ("remove", "add"))
+    assert_bracketed(upper, lower, rel=0.01)
+
+
+def test_where_one_rare_loss_decides_epsilon_is_monotone_on_fine_sweeps():
+    # The split's grid is sized for the largest power of two below its own answer, whatever
+    # the guess: epsilon falls with sigma and rises with the steps, step by step.
+    sigmas = [0.655 + 0.002 * k for k in range(7)]
+    values = [epsilon(s, 1e-6, 10**6, 1e-12) for s in sigmas]
+    assert all(b < a for a, b in zip(values, values[1:])), values
+    values = [epsilon(0.661, 1e-6, int(10**6 * (1 + 0.03 * k)), 1e-12) for k in range(4)]
+    assert all(b > a for a, b in zip(values, values[1:])), values
+
+
+def test_beyond_the_body_the_split_answers_before_any_grid(monkeypatch):
+    # What makes it fast there: no accountant grid is composed at all (0.02 to 0.3 s
+    # against 0.5 to 2.3 s for the grids, refined and in extended precision).
+    composed = []
+    compose_on = pld_module._compose_on
+    monkeypatch.setattr(pld_module, "_compose_on", lambda *a, **k: composed.append(1) or compose_on(*a, **k))
+    pld_module._pld_epsilon.cache_clear()
+    value = pld_epsilon([(0.6612345, 1e-6, 10**6)], 1e-12)
+    pld_module._pld_epsilon.cache_clear()
+    assert 0.08 < value < 0.09 and not composed
+
+
+def test_the_binomial_matches_scipy_stats_at_the_ends_of_its_support():
+    from dpoptim.accounting.special import binom
+
+    k = np.array([-3, -1, 0, 1, 7, 29, 30, 31, 10**6])
+    for n, p in ((30, 0.5), (1, 0.3), (10**7, 1e-4)):
+        for name in ("pmf", "cdf", "sf"):
+            np.testing.assert_array_equal(getattr(binom(n, p), name)(k), getattr(stats.binom(n, p), name)(k))
+        assert float(binom(n, p).sf(3)) == float(stats.binom(n, p).sf(3))
 
 
 # --- grouping of many (sigma, q) pairs ---------------------------------------------------

@@ -521,6 +521,12 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
     return epsilons
 
 
+#: The largest window of the split tried first (:func:`_split_first`): where the bulk's
+#: spread asks for more (many sampled steps: q T = 4 at q 4.7e-6 over 876,109 steps), the
+#: grids' answer is as tight (0.03% apart there) at a twentieth of the cost.
+_FIRST_SPLIT_POINTS = 2**19
+
+
 def _split_first(steps: tuple, deltas: dict, guess: float, again: bool = True, shift: float = 0.0) -> dict | None:
     """Each direction's epsilon by the split of :mod:`.rare`, sized from ``guess`` (an upper
     estimate; ``again``: see :func:`~dpoptim.accounting.rare.split_epsilon`), where it
@@ -529,12 +535,13 @@ def _split_first(steps: tuple, deltas: dict, guess: float, again: bool = True, s
     is first sized for removal's answer (with ``again``), and only sized for its own
     where it is above (``shift``: added to it by the caller), as only the larger is
     reported."""
-    removal = rare.split_epsilon(steps, _REMOVE, deltas[_REMOVE], guess, again)
+    removal = rare.split_epsilon(steps, _REMOVE, deltas[_REMOVE], guess, again, _FIRST_SPLIT_POINTS)
     if removal is None or removal[1]:
         return None
-    addition = rare.split_epsilon(steps, _ADD, deltas[_ADD], max(removal[0], 1e-300) if again else guess, again=False)
+    addition = rare.split_epsilon(steps, _ADD, deltas[_ADD], max(removal[0], 1e-300) if again else guess, False,
+                                  _FIRST_SPLIT_POINTS)
     if again and addition is not None and addition[0] + shift > removal[0]:
-        addition = rare.split_epsilon(steps, _ADD, deltas[_ADD], addition[0], again)
+        addition = rare.split_epsilon(steps, _ADD, deltas[_ADD], addition[0], again, _FIRST_SPLIT_POINTS)
     if addition is None or addition[1]:
         return None
     return {_REMOVE: removal[0], _ADD: addition[0]}
@@ -1963,7 +1970,7 @@ def _reduced_angles(real: np.ndarray, imag: np.ndarray, counts) -> np.ndarray:
     as ``arctan2`` and within a few unit round-offs of the exact angle (the quotient, the
     arctangent, the added pi: the allowance counts 8, see :func:`_rounding_allowance`);
     the angle of 0 is taken as 0 (its modulus makes the product zero)."""
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         angle = np.arctan(imag / real)
     angle[real < 0] += math.pi
     angle[np.isnan(angle)] = 0.0

@@ -72,7 +72,7 @@ _LAMBDAS = np.geomspace(1e-2, 1e7, 73)
 
 
 def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, again: bool = True,
-                  dtype=np.float64) -> tuple[float, bool] | None:
+                  points: int = _MAX_POINTS, dtype=np.float64) -> tuple[float, bool] | None:
     """Epsilon of one direction of ``steps`` (``(sigma, q, count)`` each) by the split,
     and whether rounding decides it; None where no split applies (no rare tail, or a
     window too wide). ``guess``: an estimate of epsilon (an upper bound), which sizes the
@@ -80,7 +80,10 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, agai
     (:func:`_bulk_spacing`). With ``again``, the grid is sized anew for the answer while
     that is below the power of two the guess was sized by, and the last answer is
     returned: the grid of the largest power of two at or below its own answer, whatever
-    the guess above it, so that epsilon stays monotone in the ledger."""
+    the guess above it, so that epsilon stays monotone in the ledger. ``points``: the
+    largest window; below :data:`_MAX_POINTS`, a bulk too wide for it at the spacing its
+    spread asks for gives None (no coarser spacing is tried: the split would not be the
+    tighter answer there, nor the cheaper)."""
     if not (0.0 < guess < math.inf) or not steps:
         return None
     total = sum(count for _, _, count in steps)
@@ -89,7 +92,7 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, agai
         scale = 2.0 ** math.floor(math.log2(guess))  # the cache key holds the guess to within a factor of 2
         # at most 2^-10 of the scale, and a mean shift of connect-the-dots, T h^2 / 8, at most 10^-3 of it
         finest = min(scale * 2.0**-10, 2.0 ** math.floor(0.5 * math.log2(8e-3 * scale / total)))
-        found = _split_epsilon(tuple(steps), direction, delta, finest, scale, np.dtype(dtype).str)
+        found = _split_epsilon(tuple(steps), direction, delta, finest, scale, np.dtype(dtype).str, points)
         if found is None:
             return answer
         answer = found
@@ -100,7 +103,8 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, agai
 
 
 @functools.lru_cache(maxsize=16)
-def _split_epsilon(steps: tuple, direction: str, delta: float, spacing: float, scale: float, dtype: str):
+def _split_epsilon(steps: tuple, direction: str, delta: float, spacing: float, scale: float, dtype: str,
+                   points: int = _MAX_POINTS):
     dtype = np.dtype(dtype)
     floor, cut = _cuts(steps, direction, delta)
     bottom = min(float(_pld._loss_of_z(-_pld._GAUSS_TAIL * sigma, sigma, q, direction)) for sigma, q, _ in steps)
@@ -112,9 +116,11 @@ def _split_epsilon(steps: tuple, direction: str, delta: float, spacing: float, s
     h = _bulk_spacing(steps, direction, spacing, scale, bottom if floor is None else floor,
                       reach if cut is None else cut)
     while h <= scale / 64.0:
-        found = _split_on(steps, direction, delta, h, (floor, cut), scale, dtype)
+        found = _split_on(steps, direction, delta, h, (floor, cut), scale, dtype, points)
         if found is not _TOO_WIDE:
             return found
+        if points < _MAX_POINTS:
+            return None
         h *= 2.0  # a window too wide for the finest grid: try a coarser one
     return None
 
@@ -123,7 +129,7 @@ def _split_epsilon(steps: tuple, direction: str, delta: float, spacing: float, s
 _NOTHING = np.ones(1)
 _NOTHING.setflags(write=False)
 
-#: What :func:`_split_on` returns where a window needs more than :data:`_MAX_POINTS`.
+#: What :func:`_split_on` returns where a window needs more points than allowed.
 _TOO_WIDE = object()
 
 
@@ -180,11 +186,12 @@ def _cuts(steps: tuple, direction: str, delta: float) -> tuple[float, float]:
     return ends[0], ends[1]
 
 
-def _split_on(steps: tuple, direction: str, delta: float, h: float, ends: tuple, scale: float, dtype):
+def _split_on(steps: tuple, direction: str, delta: float, h: float, ends: tuple, scale: float, dtype,
+              points: int = _MAX_POINTS):
     """The split's ``(epsilon, rounding decides)`` with bulks on spacing ``h`` between the
     losses ``ends = (floor, cut)`` (None: no tail on that side; neither: each step whole
     is its bulk), or None where no bulk is left, or :data:`_TOO_WIDE` where a window
-    does not fit.
+    needs more than ``points`` points.
 
     The term with no tail step is composed on its own window (:func:`_term_profile`).
     The term with one, :math:`\\sum_r c_r\\, t_r * b_r^{*(c_r-1)} * \\prod_{s \\ne r}
@@ -197,26 +204,26 @@ def _split_on(steps: tuple, direction: str, delta: float, h: float, ends: tuple,
     bottoms, tops = _pld._tail_ends(steps, h, -(2**62), 2**62, tail_share)
     bottoms, tops = bottoms[direction], tops[direction]
     if ends == (None, None):
-        return _whole(steps, direction, delta, h, bottoms, tops, dtype)
+        return _whole(steps, direction, delta, h, bottoms, tops, dtype, points)
     floor, cut = ends
     step = scale * 2.0**-12  # the tails' finest bin
     lows = [bottom if floor is None else max(bottom, math.ceil(floor / h)) for bottom in bottoms]
     highs = [top if cut is None else min(top, math.floor(cut / h)) for top in tops]
     if any(high <= low for low, high in zip(lows, highs)):
         return None
-    if any(high - low > _MAX_POINTS for low, high in zip(lows, highs)):
+    if any(high - low > points for low, high in zip(lows, highs)):
         return _TOO_WIDE
     bulks = [(low, _bulk(sigma, q, direction, h, low, high, low > bottom, high < top, step), count)
              for (sigma, q, count), low, high, bottom, top in zip(steps, lows, highs, bottoms, tops)]
     transforms: dict = {}
-    alone = _term_profile(bulks, h, delta, dtype, transforms=transforms)
+    alone = _term_profile(bulks, h, delta, dtype, transforms=transforms, points=points)
     if alone is None:
         return _TOO_WIDE
     readers, log_finite, weight = [], 0.0, 0.0
     for r, (sigma, q, count) in enumerate(steps):
         others = [(first, masses, c - (s == r)) for s, (first, masses, c) in enumerate(bulks) if c - (s == r)]
         others = others or [(0, _NOTHING, 1)]  # one step in all: its tail alone
-        profiles = [_term_profile(others, h, delta, dtype, tilt, transforms) for tilt in (None, 0.0)]
+        profiles = [_term_profile(others, h, delta, dtype, tilt, transforms, points) for tilt in (None, 0.0)]
         if any(profile is None for profile in profiles):
             return _TOO_WIDE
         reach = max(float(profile.losses[-1] - profile.losses[0]) for profile in profiles) + 2.0 * scale
@@ -266,17 +273,18 @@ def _tails(sigma, q, direction, h, grid: tuple, step: float, reach: tuple) -> tu
     return np.concatenate(losses), np.concatenate(masses), p_inf
 
 
-def _whole(steps: tuple, direction: str, delta: float, h: float, bottoms: tuple, tops: tuple, dtype):
+def _whole(steps: tuple, direction: str, delta: float, h: float, bottoms: tuple, tops: tuple, dtype,
+           points: int = _MAX_POINTS):
     """:func:`_split_on` without a tail: the steps' whole distributions (connect-the-dots,
     :func:`~dpoptim.accounting.pld._step_distribution`) composed on the fine grid."""
-    if any(top - bottom > _MAX_POINTS for bottom, top in zip(bottoms, tops)):
+    if any(top - bottom > points for bottom, top in zip(bottoms, tops)):
         return _TOO_WIDE
     factors, log_finite = [], 0.0
     for (sigma, q, count), bottom, top in zip(steps, bottoms, tops):
         first, masses, p_inf = _pld._step_distribution(sigma, q, direction, h, bottom, top)
         factors.append((first, masses, count))
         log_finite += count * math.log1p(-p_inf)
-    alone = _term_profile(factors, h, delta, dtype)
+    alone = _term_profile(factors, h, delta, dtype, points=points)
     if alone is None:
         return _TOO_WIDE
     return _invert(alone, [], -math.expm1(log_finite) * (1.0 + 1e-12), delta)
@@ -366,12 +374,12 @@ class _Profile:
 
 
 def _term_profile(factors: list, h: float, delta: float, dtype, tilt: float | None = None,
-                  transforms: dict | None = None) -> _Profile | None:
+                  transforms: dict | None = None, points: int = _MAX_POINTS) -> _Profile | None:
     """The profile of the product of ``factors`` (``(first, masses, count)`` each, on
     spacing ``h``), composed on a window certified by Chernoff bounds from their exact
     moment generating functions (at most a 2^-16 share of ``delta`` beyond it), at
     ``tilt`` (None: the Chernoff-optimal one at ``delta``, capped against wrap-around),
-    or None where the window needs more than :data:`_MAX_POINTS` points."""
+    or None where the window needs more than ``points`` points."""
     lambdas = np.concatenate([-_LAMBDAS[::-1], [0.0], _LAMBDAS])
     cgf = sum(count * _pld._log_mgf(first, masses, h, lambdas) for first, masses, count in factors)
     up, down = cgf[_LAMBDAS.size + 1:], cgf[:_LAMBDAS.size][::-1]
@@ -381,7 +389,7 @@ def _term_profile(factors: list, h: float, delta: float, dtype, tilt: float | No
     i_low = max(lowest, math.floor(float(((log_share - down) / _LAMBDAS).max()) / h))
     i_top = min(highest, math.ceil(float(((up - log_share) / _LAMBDAS).min()) / h))
     n = 1 << max(10, (i_top - i_low + 2).bit_length())
-    if n > _MAX_POINTS:
+    if n > points:
         return None
     beyond = (i_low + n) * h  # composed indices from here on wrap around
     wrap = 0.0 if i_low + n > highest else math.exp(min(float((up - _LAMBDAS * beyond).min()), 0.0))
