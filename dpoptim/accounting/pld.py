@@ -534,14 +534,15 @@ def _split_first(steps: tuple, deltas: dict, guess: float, again: bool = True, s
     where rare losses decide epsilon, its grid is the finer one. Removal first; addition
     is first sized for removal's answer (with ``again``), and only sized for its own
     where it is above (``shift``: added to it by the caller), as only the larger is
-    reported."""
+    reported; without a tail of its own it is composed whole on the split's fine grid.
+    Where removal has no rare tail, the grids answer."""
     removal = rare.split_epsilon(steps, _REMOVE, deltas[_REMOVE], guess, again, _FIRST_SPLIT_POINTS)
     if removal is None or removal[1]:
         return None
     addition = rare.split_epsilon(steps, _ADD, deltas[_ADD], max(removal[0], 1e-300) if again else guess, False,
-                                  _FIRST_SPLIT_POINTS)
+                                  _FIRST_SPLIT_POINTS, whole=True)
     if again and addition is not None and addition[0] + shift > removal[0]:
-        addition = rare.split_epsilon(steps, _ADD, deltas[_ADD], addition[0], again, _FIRST_SPLIT_POINTS)
+        addition = rare.split_epsilon(steps, _ADD, deltas[_ADD], addition[0], again, _FIRST_SPLIT_POINTS, whole=True)
     if addition is None or addition[1]:
         return None
     return {_REMOVE: removal[0], _ADD: addition[0]}

@@ -72,7 +72,7 @@ _LAMBDAS = np.geomspace(1e-2, 1e7, 73)
 
 
 def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, again: bool = True,
-                  points: int = _MAX_POINTS, dtype=np.float64) -> tuple[float, bool] | None:
+                  points: int = _MAX_POINTS, whole: bool = False, dtype=np.float64) -> tuple[float, bool] | None:
     """Epsilon of one direction of ``steps`` (``(sigma, q, count)`` each) by the split,
     and whether rounding decides it; None where no split applies (no rare tail, or a
     window too wide). ``guess``: an estimate of epsilon (an upper bound), which sizes the
@@ -83,7 +83,8 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, agai
     the guess above it, so that epsilon stays monotone in the ledger. ``points``: the
     largest window; below :data:`_MAX_POINTS`, a bulk too wide for it at the spacing its
     spread asks for gives None (no coarser spacing is tried: the split would not be the
-    tighter answer there, nor the cheaper)."""
+    tighter answer there, nor the cheaper). ``whole``: where no tail reaches epsilon's
+    scale, compose the steps whole on the fine grid (else None)."""
     if not (0.0 < guess < math.inf) or not steps:
         return None
     total = sum(count for _, _, count in steps)
@@ -92,7 +93,7 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, agai
         scale = 2.0 ** math.floor(math.log2(guess))  # the cache key holds the guess to within a factor of 2
         # at most 2^-10 of the scale, and a mean shift of connect-the-dots, T h^2 / 8, at most 10^-3 of it
         finest = min(scale * 2.0**-10, 2.0 ** math.floor(0.5 * math.log2(8e-3 * scale / total)))
-        found = _split_epsilon(tuple(steps), direction, delta, finest, scale, np.dtype(dtype).str, points)
+        found = _split_epsilon(tuple(steps), direction, delta, finest, scale, np.dtype(dtype).str, points, whole)
         if found is None:
             return answer
         answer = found
@@ -104,7 +105,7 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, agai
 
 @functools.lru_cache(maxsize=16)
 def _split_epsilon(steps: tuple, direction: str, delta: float, spacing: float, scale: float, dtype: str,
-                   points: int = _MAX_POINTS):
+                   points: int = _MAX_POINTS, whole: bool = False):
     dtype = np.dtype(dtype)
     floor, cut = _cuts(steps, direction, delta)
     bottom = min(float(_pld._loss_of_z(-_pld._GAUSS_TAIL * sigma, sigma, q, direction)) for sigma, q, _ in steps)
@@ -113,6 +114,8 @@ def _split_epsilon(steps: tuple, direction: str, delta: float, spacing: float, s
         cut = None  # no upper tail reaches epsilon's scale (addition, at tiny q)
     if not floor - bottom > (reach if cut is None else cut) - floor:
         floor = None  # a lower tail would not halve the bulk's support
+    if floor is None and cut is None and not whole:
+        return None
     h = _bulk_spacing(steps, direction, spacing, scale, bottom if floor is None else floor,
                       reach if cut is None else cut)
     while h <= scale / 64.0:
@@ -196,10 +199,10 @@ def _split_on(steps: tuple, direction: str, delta: float, h: float, ends: tuple,
     The term with no tail step is composed on its own window (:func:`_term_profile`).
     The term with one, :math:`\\sum_r c_r\\, t_r * b_r^{*(c_r-1)} * \\prod_{s \\ne r}
     b_s^{*c_s}`, is read as :math:`\\sum_r c_r \\sum_j t_{r,j} D_r(\\varepsilon - l_{r,j})`,
-    ``D_r`` the profile of the bulks without one step of run ``r`` (composed at two tilts,
-    the smaller bound kept at each point), ``t_r`` run ``r``'s tails at losses
-    :math:`l_{r,j}`: exact for the discrete distributions, and no transform spans a
-    tail."""
+    ``D_r`` the profile of the bulks without one step of run ``r`` (composed untilted:
+    what it is read at lies in its body, and near it, where the tail is heavy), ``t_r``
+    run ``r``'s tails at losses :math:`l_{r,j}`: exact for the discrete distributions,
+    and no transform spans a tail."""
     tail_share = _pld._TAIL_FRACTION * delta
     bottoms, tops = _pld._tail_ends(steps, h, -(2**62), 2**62, tail_share)
     bottoms, tops = bottoms[direction], tops[direction]
@@ -223,14 +226,14 @@ def _split_on(steps: tuple, direction: str, delta: float, h: float, ends: tuple,
     for r, (sigma, q, count) in enumerate(steps):
         others = [(first, masses, c - (s == r)) for s, (first, masses, c) in enumerate(bulks) if c - (s == r)]
         others = others or [(0, _NOTHING, 1)]  # one step in all: its tail alone
-        profiles = [_term_profile(others, h, delta, dtype, tilt, transforms, points) for tilt in (None, 0.0)]
-        if any(profile is None for profile in profiles):
+        profile = _term_profile(others, h, delta, dtype, 0.0, transforms, points)
+        if profile is None:
             return _TOO_WIDE
-        reach = max(float(profile.losses[-1] - profile.losses[0]) for profile in profiles) + 2.0 * scale
-        start = 2.0 * scale - min(float(profile.losses[0]) for profile in profiles)
+        reach = float(profile.losses[-1] - profile.losses[0]) + 2.0 * scale
+        start = 2.0 * scale - float(profile.losses[0])
         losses, masses, p_inf = _tails(sigma, q, direction, h, (bottoms[r], lows[r], highs[r], tops[r]), step,
                                        (reach, start))
-        readers.append(_Tail(count, masses, losses, profiles))
+        readers.append(_Tail(count, masses, losses, profile))
         weight += count * float(masses.sum())
         log_finite += count * math.log1p(-p_inf)
     constant = (-math.expm1(log_finite) + weight * weight / 2.0) * (1.0 + 1e-12)
@@ -336,6 +339,7 @@ class _Profile:
                  wrap: float, mass: float):
         self.losses, self.noise, self.wrap, self.mass = losses, noise, wrap, mass
         n = losses.size
+        self.spacing = float(losses[-1] - losses[0]) / (n - 1)
         valid = log_untilt <= 300.0  # beyond, a mass would exceed 1: uncertifiable there
         self.first_valid = int(np.argmax(valid)) if valid.any() else n
         size = n - self.first_valid
@@ -359,7 +363,10 @@ class _Profile:
         ``m_j (1 - e^{x - l_j})`` with the bounds above (at most the total mass), and the
         rounding allowance in it."""
         n = self.losses.size
-        i = np.searchsorted(self.losses, points, side="left") - 1  # l_i < x <= l_{i+1}
+        # l_i < x <= l_{i+1} on the uniform grid (at x on a grid point either side will do:
+        # that entry adds 0 there)
+        with np.errstate(invalid="ignore"):
+            i = np.clip(np.ceil((points - self.losses[0]) / self.spacing), 0, n).astype(np.int64) - 1
         allowance = _pld._allowances(self.noise, self.log_untilt[i + 1], self.decay, (n - 1 - i).astype(float))
         discounted, above = self.discounted[i + 1], self.above[i + 1]
         with np.errstate(over="ignore", divide="ignore"):
@@ -433,34 +440,31 @@ def _composed(factors: list, h: float, i_low: int, n: int, tilt: float, dtype, t
 
 
 class _Tail:
-    """One run's tails, read against the profiles of the other steps' bulks (of one window,
-    at two tilts, the last 0): :math:`c \\sum_j t_j D(\\varepsilon - l_j)` with the smaller bound on
-    ``D`` at each point. Only the tail points whose ``epsilon - l_j`` falls in the window
-    are read one by one; below it ``D`` has a closed form (every entry counts), summed at
-    once from suffix sums over the tail, and above it only the wrap-around bound is left."""
+    """One run's tails, read against the untilted profile ``D`` of the other steps' bulks:
+    :math:`c \\sum_j t_j D(\\varepsilon - l_j)`. Only the tail points whose ``epsilon - l_j``
+    falls in D's window are read one by one; below it ``D`` has a closed form (every entry
+    counts), summed at once from suffix sums over the tail, and above it only the
+    wrap-around bound is left."""
 
-    def __init__(self, count: int, masses: np.ndarray, losses: np.ndarray, profiles: list):
-        self.count, self.masses, self.losses, self.profiles = count, masses, losses, profiles
-        self.low, self.high = float(profiles[0].losses[0]), float(profiles[0].losses[-1])
+    def __init__(self, count: int, masses: np.ndarray, losses: np.ndarray, profile: _Profile):
+        self.count, self.masses, self.losses, self.profile = count, masses, losses, profile
+        self.low, self.high = float(profile.losses[0]), float(profile.losses[-1])
         self.offset = float(losses[0]) if losses.size else 0.0
         self.after = np.concatenate([np.cumsum(masses[::-1])[::-1], [0.0]])  # sum over j >= k of t_j
         with np.errstate(under="ignore"):
             scaled = masses * np.exp(self.offset - losses)  # t_j e^{-(l_j - offset)}, at most t_j
         self.after_scaled = np.concatenate([np.cumsum(scaled[::-1])[::-1], [0.0]])
-        # the closed form below the window is read off the untilted profile (the last): its
-        # totals are accurate, where a tilted one's low entries carry magnified noise
-        self.whole = profiles[-1] if profiles[-1].first_valid == 0 else None
+        self.whole = profile if profile.first_valid == 0 else None  # untilted: every entry valid
 
     def read(self, epsilon: float) -> tuple[float, float]:
         """``(value, allowance)`` of this run's term at ``epsilon``."""
         below = int(np.searchsorted(self.losses, epsilon - self.low, side="left")) if self.whole else self.losses.size
         beyond = min(int(np.searchsorted(self.losses, epsilon - self.high, side="left")), below)
         middle = slice(beyond, below)
-        read = [profile.at(epsilon - self.losses[middle]) for profile in self.profiles]
-        best = np.argmin([v for v, _ in read], axis=0)
-        value = float(self.masses[middle] @ np.choose(best, [v for v, _ in read]))
-        allowance = float(self.masses[middle] @ np.choose(best, [a for _, a in read]))
-        value += min(profile.wrap for profile in self.profiles) * float(self.after[0] - self.after[beyond])
+        values, allowances = self.profile.at(epsilon - self.losses[middle])
+        value = float(self.masses[middle] @ values)
+        allowance = float(self.masses[middle] @ allowances)
+        value += self.profile.wrap * float(self.after[0] - self.after[beyond])
         if below < self.losses.size:
             d = self.whole
             n = d.losses.size
