@@ -63,6 +63,7 @@ def _ledgers():
         ("sigma 0.0049, q 0.01, 1000 steps", [(0.0049, 0.01, 1000)], 1e-5, None),
         ("sigma 0.0051, q 0.01, 1000 steps", [(0.0051, 0.01, 1000)], 1e-5, None),
         ("sigma 0.02, q 1e-6, 10^8 steps, delta 1e-12", [(0.02, 1e-6, 10**8)], 1e-12, None),
+        ("sigma 0.661, q 1e-6, 10^6 steps, delta 1e-12 (one rare loss decides)", [(0.661, 1e-6, 10**6)], 1e-12, None),
         ("sigma 0 then sigma 1, q 1e-7 then 0.01", [(0.0, 1e-7, 30), (1.0, 0.01, 1000)], 1e-5, None),
         ("sigma 0, q 1e-6 < delta, 10 steps", [(0.0, 1e-6, 10)], 1e-5, None),
     ]
@@ -255,6 +256,13 @@ def main(argv=None) -> int:
         sigma, wall, cpu = _time(lambda: calibrate_noise(_fresh(target), 1e-5, 1e-6, 1000), args.repeat)
         spent = epsilon_of_ledger([(sigma, 1e-6, 1000)], 1e-5)
         print(f"| target {target:g}, q 1e-6 | {_show(sigma)} | {_show(spent)} | {wall:.2f} | {cpu:.2f} | 2 |", flush=True)
+    for target in (1e-2, 3e-2, 1e-1, 1.0):  # one rare loss decides: the split, in the model too
+        if args.only and args.only not in "calibrate":
+            continue
+        sigma, wall, cpu = _time(lambda: calibrate_noise(_fresh(target), 1e-12, 1e-6, 10**6), args.repeat)
+        spent = epsilon_of_ledger([(sigma, 1e-6, 10**6)], 1e-12)
+        print(f"| target {target:g}, q 1e-6, 10^6 steps, delta 1e-12 | {_show(sigma)} | {_show(spent)} | {wall:.2f} "
+              f"| {cpu:.2f} | 2 |", flush=True)
     sigma, wall, cpu = _time(lambda: calibrate_noise(1.0, 1e-5, 1e-9, 1000), args.repeat)
     print(f"| target 1, q 1e-9 (noiseless meets it) | {_show(sigma)} | 0 | {wall:.2f} | {cpu:.2f} | 2 |")
     return 0

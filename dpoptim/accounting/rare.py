@@ -23,15 +23,18 @@ measure. The terms with two tail steps or more hold at most :math:`\Pr[\text{at 
 of independent events}] \le \sum_{i<j} p_i p_j \le (\sum_r c_r |t_r|)^2 / 2` of mass,
 and ``a`` is the smallest loss that keeps this below ``delta / 1024``.
 
-**Upper bound** (:func:`split_epsilon`). Each of the two kept terms is composed on its
-own window and at its own tilt, with the certificates of :mod:`.pld`: the bulk alone,
-light enough for a large tilt, and one tail step among bulk steps, whose answer lies in
-the body of its own distribution. Their profiles, with the terms beyond and the mass at
-:math:`+\infty` counted in full, add up to an upper bound on the profile of a pair that
-dominates the true one (connect-the-dots, Doroshenko et al. 2022), so the epsilon read
-off it is never below the truth. The bulk's own grid is finer than the accountant's:
-connect-the-dots spreads a loss far smaller than a bin over the bin, adding about ``h``
-times the mean absolute loss of the bulk to the composed variance.
+**Upper bound** (:func:`split_epsilon`). The bulk alone is light enough for a large
+tilt: it is composed on its own window, with its own tilt and the certificates of
+:mod:`.pld`. The term with one tail step, :math:`\sum_r c_r\, t_r * b_r^{*(c_r-1)} *
+\prod_{s \ne r} b_s^{*c_s}`, is read as :math:`\sum_r c_r \sum_j t_{r,j}\,
+D_r(\varepsilon - l_{r,j})` with :math:`D_r` the profile of the other steps' bulks: no
+transform spans the tail. Where rare large *negative* losses stretch the bulk (addition,
+at tiny q) a lower tail is split off the same way. The profiles, with the terms beyond
+and the mass at :math:`+\infty` counted in full, add up to an upper bound on the profile
+of a pair that dominates the true one (connect-the-dots, Doroshenko et al. 2022), so the
+epsilon read off it is never below the truth. The bulk's own grid is finer than the
+accountant's: connect-the-dots spreads a loss far smaller than a bin over the bin,
+adding about ``h`` times the mean absolute loss of the bulk to the composed variance.
 
 **Lower bound** (:func:`split_lower_bound`). Merging every outcome whose loss is at most
 ``a`` into one outcome is a post-processing, so the merged pair's profile is at most the
@@ -106,6 +109,9 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, agai
 @functools.lru_cache(maxsize=16)
 def _split_epsilon(steps: tuple, direction: str, delta: float, spacing: float, scale: float, dtype: str,
                    points: int = _MAX_POINTS, whole: bool = False):
+    """:func:`split_epsilon` for one grid scale, bins at most ``spacing``: the tails to split
+    off (a side whose tail cannot matter is kept in the bulk), then the finest spacing the
+    bulk's spread asks for, coarser while a window does not fit."""
     dtype = np.dtype(dtype)
     floor, cut = _cuts(steps, direction, delta)
     bottom = min(float(_pld._loss_of_z(-_pld._GAUSS_TAIL * sigma, sigma, q, direction)) for sigma, q, _ in steps)
@@ -533,7 +539,7 @@ def split_lower_bound(steps: tuple, direction: str, delta: float, scale: float) 
     finds none). ``scale``: a lower estimate of epsilon, which sizes the tail's bins."""
     if not (0.0 < scale < math.inf) or not steps:
         return 0.0
-    a = _lower_cut(steps, direction, delta)
+    a = _cuts(tuple(steps), direction, delta)[1]  # dropping the terms beyond loses at most delta / 1024
     merged = [_merged_step(sigma, q, direction, a) for sigma, q, _ in steps]
     counts = [count for _, _, count in steps]
     shift = math.fsum(c * loss for c, (loss, _) in zip(counts, merged))
@@ -547,29 +553,6 @@ def split_lower_bound(steps: tuple, direction: str, delta: float, scale: float) 
     losses, masses = np.concatenate(losses), np.concatenate(masses)
     order = np.argsort(losses)
     return _lower_epsilon(losses[order], masses[order], delta)
-
-
-def _lower_cut(steps: tuple, direction: str, delta: float) -> float:
-    """The smallest loss ``a`` (to a part in 2^40 of the range) whose tails above it keep the
-    terms with two tail steps or more below ``delta / 1024``: dropping them then loses
-    at most that."""
-    allowed = math.sqrt(2.0 * _BEYOND_SHARE * delta)
-
-    def weight(a: float) -> float:
-        return math.fsum(count * math.exp(float(_pld._bin_log_masses(sigma, q, direction, np.array([a]))[3][1]))
-                         for sigma, q, count in steps)
-
-    low = min(float(_pld._loss_of_z(-_pld._GAUSS_TAIL * sigma, sigma, q, direction)) for sigma, q, _ in steps)
-    high = max(float(_pld._loss_of_z(1.0 + _pld._GAUSS_TAIL * sigma, sigma, q, direction)) for sigma, q, _ in steps)
-    if weight(low) <= allowed:
-        return low
-    for _ in range(40):
-        middle = 0.5 * (low + high)
-        if weight(middle) <= allowed:
-            high = middle
-        else:
-            low = middle
-    return high
 
 
 def _merged_step(sigma: float, q: float, direction: str, a: float) -> tuple[float, float]:
