@@ -1473,23 +1473,31 @@ def _grid_distribution(sigma: float, q: float, direction: str, spacing: float, i
         masses = _dominated_masses(p, log_qq, errors, lo, spacing, offset)
         masses.setflags(write=False)
         return lo, masses, 0.0
-    masses = np.zeros(hi - lo + 1)
-    masses[0] += p[0]  # the bin below the grid: rounded up to its lowest point
-    # Interior bins: split (P, Q) between the end points so that both masses are kept:
-    # right share = (1 - e^{l_i} Q / P) / (1 - e^{-h}).
+    masses, p_inf = _connect_the_dots(p, log_p, log_qq, losses)
+    masses.setflags(write=False)
+    return lo, masses, p_inf
+
+
+def _connect_the_dots(p: np.ndarray, log_p: np.ndarray, log_qq: np.ndarray, points: np.ndarray) -> tuple:
+    """``(masses, p_inf)``: the P-mass at each of the increasing grid ``points`` (any gaps)
+    and at +inf, from the P-masses ``p`` (and their logarithms) and the log Q-masses of
+    the bins the points cut, the first below the grid and the last above it. Each
+    interior bin keeps its P- and Q-mass, split between its two end points; the bin
+    below the grid is rounded up to its lowest point; the bin above keeps its Q-mass at
+    the top point and sends the rest to +inf."""
+    masses = np.zeros(points.size)
+    masses[0] += p[0]
+    # right share = (1 - e^{l_i} Q / P) / (1 - e^{-(l_{i+1} - l_i)}): both masses are kept
     with np.errstate(invalid="ignore", over="ignore"):
-        share = -np.expm1(log_qq[1:-1] + losses[:-1] - log_p[1:-1]) / -math.expm1(-spacing)
+        share = -np.expm1(log_qq[1:-1] + points[:-1] - log_p[1:-1]) / -np.expm1(-np.diff(points))
     share = np.clip(np.nan_to_num(share, nan=0.0), 0.0, 1.0)
     interior = p[1:-1]
     masses[:-1] += interior * (1.0 - share)
     masses[1:] += interior * share
-    # The bin above the grid: Q-mass stays at the top point, the rest goes to +inf.
     with np.errstate(over="ignore"):
-        kept = min(1.0, math.exp(min(log_qq[-1] + losses[-1] - log_p[-1], 0.0))) if p[-1] > 0 else 0.0
+        kept = min(1.0, math.exp(min(log_qq[-1] + points[-1] - log_p[-1], 0.0))) if p[-1] > 0 else 0.0
     masses[-1] += p[-1] * kept
-    p_inf = p[-1] * (1.0 - kept)
-    masses.setflags(write=False)
-    return lo, masses, p_inf
+    return masses, float(p[-1] * (1.0 - kept))
 
 
 def _bin_log_masses(sigma: float, q: float, direction: str, losses: np.ndarray) -> tuple:

@@ -314,26 +314,10 @@ def _tail_points(a: float, step: float, start: float, top: float) -> np.ndarray:
 
 
 def _dots(sigma: float, q: float, direction: str, points: np.ndarray) -> tuple[np.ndarray, float]:
-    """Connect-the-dots on increasing grid ``points`` (any gaps): ``(masses, p_inf)``, the
-    P-mass at each point and at +inf (:func:`~dpoptim.accounting.pld._grid_distribution`
-    for a uniform grid). Each bin keeps its P- and Q-mass, split between its two end
-    points; the bin below the grid is rounded up to its lowest point; the bin above keeps
-    its Q-mass at the top point and sends the rest to +inf."""
+    """Connect-the-dots on increasing grid ``points`` (any gaps): ``(masses, p_inf)``
+    (:func:`~dpoptim.accounting.pld._connect_the_dots`)."""
     _, _, _, log_p, log_qq = _pld._bin_log_masses(sigma, q, direction, points)
-    p = np.exp(log_p)
-    masses = np.zeros(points.size)
-    masses[0] += p[0]
-    gaps = np.diff(points)
-    with np.errstate(invalid="ignore", over="ignore"):
-        share = -np.expm1(log_qq[1:-1] + points[:-1] - log_p[1:-1]) / -np.expm1(-gaps)
-    share = np.clip(np.nan_to_num(share, nan=0.0), 0.0, 1.0)
-    interior = p[1:-1]
-    masses[:-1] += interior * (1.0 - share)
-    masses[1:] += interior * share
-    with np.errstate(over="ignore"):
-        kept = min(1.0, math.exp(min(log_qq[-1] + points[-1] - log_p[-1], 0.0))) if p[-1] > 0 else 0.0
-    masses[-1] += p[-1] * kept
-    return masses, float(p[-1] * (1.0 - kept))
+    return _pld._connect_the_dots(np.exp(log_p), log_p, log_qq, points)
 
 
 class _Profile:
