@@ -480,7 +480,8 @@ def _invert(alone: _Profile, tails: list, constant: float, delta: float) -> tupl
         value, allowance = alone.at(np.array([epsilon]))
         read = [tail.read(epsilon) for tail in tails]
         parts = [constant, float(value[0])] + [v for v, _ in read]
-        return math.fsum(parts) * (1.0 + 1e-12), float(allowance[0]) + math.fsum(a for _, a in read)
+        # 1e-9: the tails' suffix sums err by a round-off per entry at most
+        return math.fsum(parts) * (1.0 + 1e-9), float(allowance[0]) + math.fsum(a for _, a in read)
 
     def excess(epsilon: float) -> float:  # log(profile / delta): at most 0 where certified
         value = total(epsilon)[0]
