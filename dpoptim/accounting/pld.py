@@ -1302,15 +1302,24 @@ def _mixture_z(sigma: float, q: float, direction: str, budget: float, upper: boo
         tail = sum(weight * math.exp(log_ndtr(sign * (mean - z) / sigma)) for weight, mean in parts if weight > 0)
         return tail * (1.0 + 1e-9) <= budget
 
-    for _ in range(60):
-        middle = 0.5 * (feasible + loose)
-        if middle in (feasible, loose):
+    return _bisected(within, feasible, loose, 60)
+
+
+def _bisected(holds, inside: float, outside: float, rounds: int, relative: float = 0.0) -> float:
+    """The last point found where ``holds`` is true, bisecting from ``inside`` (where it
+    holds) towards ``outside`` (where it does not) for ``rounds`` halvings at most, or
+    until the two are within ``relative`` of ``outside`` or adjacent floats."""
+    for _ in range(rounds):
+        if abs(outside - inside) <= relative * abs(outside):
             break
-        if within(middle):
-            feasible = middle
+        middle = 0.5 * (inside + outside)
+        if middle in (inside, outside):
+            break
+        if holds(middle):
+            inside = middle
         else:
-            loose = middle
-    return feasible
+            outside = middle
+    return inside
 
 
 _HERMITE_X, _HERMITE_W = np.polynomial.hermite_e.hermegauss(96)

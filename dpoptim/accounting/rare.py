@@ -185,13 +185,7 @@ def _cuts(steps: tuple, direction: str, delta: float) -> tuple[float, float]:
         if weight(outside, side) <= allowed:
             ends.append(outside)
             continue
-        for _ in range(32):
-            middle = 0.5 * (inside + outside)
-            if weight(middle, side) <= allowed:
-                inside = middle
-            else:
-                outside = middle
-        ends.append(inside)
+        ends.append(_pld._bisected(lambda x, side=side: weight(x, side) <= allowed, inside, outside, 32))
     return ends[0], ends[1]
 
 
@@ -595,15 +589,7 @@ def _lower_epsilon(losses: np.ndarray, masses: np.ndarray, delta: float) -> floa
 
     if not exceeds(0.0):
         return 0.0
-    low, high = 0.0, max(float(losses[-1]), 0.0)
+    high = max(float(losses[-1]), 0.0)
     if exceeds(high):
         return high
-    while high - low > 1e-9 * high:
-        middle = 0.5 * (low + high)
-        if middle in (low, high):
-            break
-        if exceeds(middle):
-            low = middle
-        else:
-            high = middle
-    return low
+    return _pld._bisected(exceeds, 0.0, high, 2000, relative=1e-9)
