@@ -519,6 +519,13 @@ def test_beyond_the_body_the_split_answers_before_any_grid(monkeypatch):
     assert 0.08 < value < 0.09 and not composed
 
 
+def test_the_split_refuses_a_guess_whose_grid_would_underflow():
+    # One step at q 9.1e-4, delta e^-7: epsilon is 0, and the first grid's answer, tiny, sized
+    # the split's grid: the square of its scale underflowed (ValueError: math domain error).
+    assert pld_epsilon([(1.0, 0.0009118819655545162, 1)], math.exp(-7.0)) == 0.0
+    assert rare.split_epsilon(((1.0, 1e-3, 1),), "remove", 1e-3, 1e-200) is None
+
+
 def test_the_binomial_matches_scipy_stats_at_the_ends_of_its_support():
     from dpoptim.accounting.special import binom
 

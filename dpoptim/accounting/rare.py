@@ -88,8 +88,8 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, agai
     spread asks for gives None (no coarser spacing is tried: the split would not be the
     tighter answer there, nor the cheaper). ``whole``: where no tail reaches epsilon's
     scale, compose the steps whole on the fine grid (else None)."""
-    if not (0.0 < guess < math.inf) or not steps:
-        return None
+    if not (1e-100 < guess < math.inf) or not steps:
+        return None  # (below 1e-100 the grid's squared scale would underflow)
     total = sum(count for _, _, count in steps)
     answer = None
     for _ in range(8):
@@ -149,9 +149,10 @@ def _bulk_spacing(steps: tuple, direction: str, spacing: float, scale: float, fl
     :math:`\ell / h`, a variance of about :math:`h |\ell|`, so the composed variance grows
     by about :math:`h \sum_r c_r \mathbb E|L_r|` over the bulk (losses from ``floor`` to ``cut``)."""
     absolute = math.fsum(count * _mean_absolute(sigma, q, direction, floor, cut) for sigma, q, count in steps)
-    if not absolute > 0.0:
+    ratio = (_SPREAD_SHARE * scale) ** 2 / absolute if absolute > 0.0 else math.inf
+    if not ratio > 0.0:
         return spacing
-    return min(spacing, 2.0 ** math.floor(math.log2((_SPREAD_SHARE * scale) ** 2 / absolute)))
+    return min(spacing, 2.0 ** math.floor(math.log2(ratio)))
 
 
 def _mean_absolute(sigma: float, q: float, direction: str, floor: float, cut: float) -> float:
