@@ -982,6 +982,18 @@ def test_max_steps_is_exact_at_the_boundary_after_a_schedule():
     assert epsilon_of_ledger([*spent, (1.0, 0.01, k + 1)], DELTA) > budget
 
 
+@pytest.mark.parametrize("sigma, q, delta", [(0.05, 1e-4, 0.5), (0.02, 1e-3, 0.1), (0.2, 1e-3, 0.1)])
+def test_max_steps_is_exact_where_epsilon_is_still_zero(sigma, q, delta):
+    # A budget of 1e-6 at tiny sigma: epsilon is exactly 0 while the chance of the example
+    # being sampled at all, 1 - (1 - q)^T, is at most delta (it bounds the total variation
+    # distance, epsilon's profile at 0), then jumps. The search's first answer then has
+    # epsilon 0, with no bias to measure against the accountant (it divided by 0 before).
+    budget = 1e-6
+    k = max_steps(sigma, q, delta, budget)
+    assert k >= math.floor(math.log1p(-delta) / math.log1p(-q))
+    assert epsilon(sigma, q, k, delta) <= budget < epsilon(sigma, q, k + 1, delta)
+
+
 # --- monotonicity across the whole stated range ------------------------------------------
 
 

@@ -655,7 +655,8 @@ def _steered_search(eps, sigma, q, delta, budget: float, base: Ledger, low: int,
         if k > cap[0]:
             cap[0] = 4 * k
         value = steering_epsilon(base, sigma, q, k, delta, grid_count=cap[0], grid_points=_STEERING_GRID)
-        return value * bias[0]
+        # No grid fits so many steps: steer as if over budget (the settle below decides).
+        return math.inf if value is None else value * bias[0]
 
     if base.steps:
         # The steering keeps the ledger's groups at their corners, which the accountant
@@ -666,7 +667,13 @@ def _steered_search(eps, sigma, q, delta, budget: float, base: Ledger, low: int,
         return limit
     if found > 0:
         first, first_value = found, eps(found)
-        bias[0] *= first_value / steer(found)
+        steered = steer(found)
+        if not (0.0 < first_value < math.inf and 0.0 < steered < math.inf):
+            # No ratio to divide out (an epsilon of 0 where q T is near delta, or a step
+            # count beyond every grid): search from the first answer, galloping by a
+            # part in 4096 of it (about the steering's own error, measured there).
+            return _search_steps(eps, budget, found, limit, first_step=max(1, found // 4096))
+        bias[0] *= first_value / steered
         found = _search_steps(steer, budget, found, limit, first_step=max(1, found // 64))
         if found >= limit:
             return limit
@@ -740,13 +747,15 @@ def _last_feasible(eps_of, budget: float, low: int, high: int) -> int:
 
     Interpolation on epsilon (smooth in k) proposes the next point; a round that fails
     to halve the bracket is followed by a bisection, so the count of evaluations stays
-    O(log(high - low)) and is usually a handful.
+    O(log(high - low)) and is usually a handful. After two such rounds only bisection
+    is left: epsilon is then no line there (it jumps from 0 where ``q T`` crosses delta
+    at tiny sigma), and interpolating would only take one step off an end each time.
     """
     values = {low: eps_of(low), high: eps_of(high)}
-    bisect = False
+    bisect, failed = False, 0
     while high - low > 1:
         width = high - low
-        if bisect or not math.isfinite(values[high]):
+        if bisect or failed >= 2 or not math.isfinite(values[high]):
             k = (low + high) // 2
         else:
             fraction = (budget - values[low]) / (values[high] - values[low])
@@ -757,4 +766,5 @@ def _last_feasible(eps_of, budget: float, low: int, high: int) -> int:
         else:
             high = k
         bisect = not bisect and 2 * (high - low) > width
+        failed += bisect
     return low

@@ -615,7 +615,8 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
     offsets = {_REMOVE: 0.0, _ADD: shift}
     for direction in sorted(epsilons, key=lambda d: epsilons[d] + offsets[d], reverse=True):
         other = _ADD if direction == _REMOVE else _REMOVE
-        if first[direction][1] and epsilons[direction] + offsets[direction] >= epsilons[other] + offsets[other]:
+        if (first[direction][1] and epsilons[direction] > 0.0  # an epsilon of 0 cannot be lowered
+                and epsilons[direction] + offsets[direction] >= epsilons[other] + offsets[other]):
             epsilons[direction], by_split = _rounding_bound(steps, direction, grid, deltas[direction],
                                                             epsilons[direction], functools.partial(compose, direction),
                                                             mixture is None, rare_split)
