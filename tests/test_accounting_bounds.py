@@ -497,6 +497,18 @@ def test_the_split_of_a_ledger_of_two_runs_is_bracketed():
     assert_bracketed(upper, lower, rel=0.01)
 
 
+def test_a_run_wholly_inside_the_bulk_has_no_tail_term():
+    # Two runs, one cut: the first run's whole support lies between the floor and the cut,
+    # so it has no tail of its own (its +inf mass is still counted). It crashed the split
+    # (ValueError from an empty concatenation) and with it epsilon_of_ledger.
+    runs = ((3.9826311768835185, 3.895670005863772e-05, 1738), (1.383, 0.000234, 820))
+    split = rare.split_epsilon(runs, "remove", 2.16e-6, 0.02)
+    assert split is not None
+    upper = epsilon_of_ledger(runs, 2.16e-6)
+    assert_bracketed(upper, pld_epsilon_lower_bound(runs, 2.16e-6), rel=0.001)
+    assert upper <= split[0]
+
+
 def test_where_one_rare_loss_decides_epsilon_is_monotone_on_fine_sweeps():
     # The split's grid is sized for the largest power of two below its own answer, whatever
     # the guess: epsilon falls with sigma and rises with the steps, step by step.

@@ -225,6 +225,9 @@ def _split_on(steps: tuple, direction: str, delta: float, h: float, ends: tuple,
         return _TOO_WIDE
     readers, log_finite, weight = [], 0.0, 0.0
     for r, (sigma, q, count) in enumerate(steps):
+        if lows[r] == bottoms[r] and highs[r] == tops[r]:  # the run lies wholly in the bulk: no term of its own
+            log_finite += count * math.log1p(-_dots(sigma, q, direction, np.arange(lows[r], highs[r] + 1) * h)[1])
+            continue
         others = [(first, masses, c - (s == r)) for s, (first, masses, c) in enumerate(bulks) if c - (s == r)]
         others = others or [(0, _NOTHING, 1)]  # one step in all: its tail alone
         profile = _term_profile(others, h, delta, dtype, 0.0, transforms, points)
