@@ -551,6 +551,18 @@ def test_the_binomial_matches_scipy_stats_at_the_ends_of_its_support():
 # --- grouping of many (sigma, q) pairs ---------------------------------------------------
 
 
+def test_a_merge_free_at_order_two_is_not_taken_where_orders_near_one_decide():
+    # Beside 285,927 steps at sigma 0.156 (order-2 cost about 20 each), accounting 16
+    # steps at sigma 1.41 as sigma 0.492 looked free by the order-2 proxy, but epsilon
+    # (450, read at order 1.09) rose 5.8%. Below the group limit a merge is free only if
+    # it is cheap by the near-one proxy too.
+    runs = [(1.41, 0.372, 16), (0.492, 0.348, 346), (0.156, 2.38e-05, 285_927)]
+    assert len(coarsen_runs(runs)) == 3
+    assert_bracketed(epsilon_of_ledger(runs, 1.05e-6), pld_epsilon_lower_bound(runs, 1.05e-6), rel=0.001)
+    # the merges it exists for are still taken: one step at sigma 100 after 50,000 at sigma 1
+    assert len(coarsen_runs([(1.0, 0.01, 50_000), (100.0, 0.01, 1)])) == 1
+
+
 def test_grouping_is_pessimistic_pair_by_pair_and_keeps_every_step():
     rng = random.Random(7)
     runs = [(rng.uniform(0.5, 3.0), rng.choice([1e-3, 1e-2, 0.1, 1.0]), rng.randint(1, 50)) for _ in range(500)]
