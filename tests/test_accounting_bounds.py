@@ -551,6 +551,16 @@ def test_the_binomial_matches_scipy_stats_at_the_ends_of_its_support():
 # --- grouping of many (sigma, q) pairs ---------------------------------------------------
 
 
+def test_the_lower_bound_of_a_ledger_is_at_least_its_heaviest_runs():
+    # Dropping the other runs' outputs is a post-processing. One grid fits a run at
+    # sigma 0.0266 (losses in the thousands) badly beside runs that need fine bins: the
+    # whole ledger's lower bound was 2481, its heaviest run's alone is 6288.
+    runs = [(7.26, 0.00201, 1_415_638), (0.0266, 0.0107, 206), (8.15, 0.0438, 1997), (0.394, 1.44e-06, 1)]
+    lower = pld_epsilon_lower_bound(runs, 2.93e-4)
+    assert lower >= pld_epsilon_lower_bound([(0.0266, 0.0107, 206)], 2.93e-4)
+    assert_bracketed(epsilon_of_ledger(runs, 2.93e-4), lower, rel=0.001)
+
+
 def test_a_merge_free_at_order_two_is_not_taken_where_orders_near_one_decide():
     # Beside 285,927 steps at sigma 0.156 (order-2 cost about 20 each), accounting 16
     # steps at sigma 1.41 as sigma 0.492 looked free by the order-2 proxy, but epsilon
