@@ -650,16 +650,31 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
     first = _both_directions(lambda direction: compose(direction, grid, np.float64))
     epsilons = {direction: value for direction, (value, _) in first.items()}
     offsets = {_REMOVE: 0.0, _ADD: shift}
-    for direction in sorted(epsilons, key=lambda d: epsilons[d] + offsets[d], reverse=True):
+    order = sorted(epsilons, key=lambda d: epsilons[d] + offsets[d], reverse=True)
+
+    def refinable(direction: str) -> bool:
+        return first[direction][1] and epsilons[direction] > 0.0  # an epsilon of 0 cannot be lowered
+
+    def refine(direction: str) -> tuple[float, bool]:
+        return _rounding_bound(steps, direction, grid, deltas[direction], epsilons[direction],
+                               functools.partial(compose, direction), mixture is None, rare_split)
+
+    # Where both are refinable and within a tenth of each other, the second is usually
+    # refined too: both are refined side by side, and used as the sequence below asks.
+    ahead = (_both_directions(refine) if all(map(refinable, order)) and epsilons[order[1]] + offsets[order[1]]
+             >= _SIDE_BY_SIDE_SHARE * (epsilons[order[0]] + offsets[order[0]]) else {})
+    for direction in order:
         other = _ADD if direction == _REMOVE else _REMOVE
-        if (first[direction][1] and epsilons[direction] > 0.0  # an epsilon of 0 cannot be lowered
-                and epsilons[direction] + offsets[direction] >= epsilons[other] + offsets[other]):
-            epsilons[direction], by_split = _rounding_bound(steps, direction, grid, deltas[direction],
-                                                            epsilons[direction], functools.partial(compose, direction),
-                                                            mixture is None, rare_split)
+        if refinable(direction) and epsilons[direction] + offsets[direction] >= epsilons[other] + offsets[other]:
+            epsilons[direction], by_split = ahead[direction] if direction in ahead else refine(direction)
             if bound is not None and split is not None:
                 (split if by_split else bound).add(direction)
     return epsilons
+
+
+#: :func:`_compose_on` refines both directions side by side where the smaller is at least
+#: this share of the larger.
+_SIDE_BY_SIDE_SHARE = 0.9
 
 
 def _rounding_bound(steps: tuple, direction: str, grid: _Grid, delta: float, value: float, compose,
