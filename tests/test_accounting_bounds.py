@@ -1096,6 +1096,30 @@ def test_the_optimizer_stops_exactly_at_the_budget_through_a_schedule():
     assert epsilon_of_ledger([*ledger, (0.9, 0.2, 1)], DELTA) > budget
 
 
+@pytest.mark.filterwarnings("ignore::dpoptim.PrivacyWarning")  # fixed-size batches, as a stand-in
+def test_the_optimizer_stops_at_a_budget_that_epsilon_0_still_meets():
+    # Tiny sigma, budget 1e-6: epsilon is 0 while 1 - (1 - q)^T <= delta (356 steps at
+    # q 1e-3, delta 0.3), then jumps to 132. The budget stop asked max_steps, which
+    # divided by that 0 (ZeroDivisionError) instead of stopping.
+    import torch
+    from torch import nn
+
+    import dpoptim
+
+    model = nn.Linear(3, 1)
+    opt = dpoptim.DPSGD(model.parameters(), lr=0.0, noise_multiplier=0.05, max_grad_norm=1.0,
+                        expected_batch_size=4, sample_rate=1e-3, max_epsilon=1e-6, delta=0.3)
+    x = torch.zeros(4, 3)
+    taken = 0
+    with pytest.raises(dpoptim.PrivacyBudgetExceeded):
+        for taken in range(10_000):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    assert taken == math.floor(math.log(0.7) / math.log1p(-1e-3)) == 356
+    assert opt.privacy_spent().epsilon == 0.0 < 1e-6 < epsilon(0.05, 1e-3, taken + 1, 0.3)
+
+
 # --- fine monotonicity at sampled points ---------------------------------------------
 
 
