@@ -1096,6 +1096,21 @@ def test_the_optimizer_stops_exactly_at_the_budget_through_a_schedule():
     assert epsilon_of_ledger([*ledger, (0.9, 0.2, 1)], DELTA) > budget
 
 
+def test_max_steps_is_0_without_a_search_where_not_one_step_fits(monkeypatch):
+    # One step at sigma 0.25 costs 25 here, the budget is 0.0032 above the ledger's 0.0027:
+    # the steered search took 3 s (14 quick PLDs) to find 0.
+    from dpoptim.accounting import calibrate as calibrate_module
+
+    steered = []
+    steering = calibrate_module.steering_epsilon
+    monkeypatch.setattr(calibrate_module, "steering_epsilon", lambda *a, **k: steered.append(1) or steering(*a, **k))
+    spent = [(1.807, 2.586e-05, 835)]
+    delta = 1.13e-12
+    budget = 0.00321
+    assert epsilon_of_ledger(spent, delta) <= budget < epsilon_of_ledger([*spent, (0.2491, 0.001436, 1)], delta)
+    assert max_steps(0.2491, 0.001436, delta, budget, ledger=spent) == 0 and not steered
+
+
 @pytest.mark.filterwarnings("ignore::dpoptim.PrivacyWarning")  # fixed-size batches, as a stand-in
 def test_the_optimizer_stops_at_a_budget_that_epsilon_0_still_meets():
     # Tiny sigma, budget 1e-6: epsilon is 0 while 1 - (1 - q)^T <= delta (356 steps at

@@ -627,6 +627,8 @@ def max_steps(
     low = _max_steps_rdp(sigma, q, delta, budget, base, limit)
     if low >= limit:
         return UNLIMITED_STEPS
+    if low == 0 and eps(1) > budget:
+        return 0  # not one more step fits: no search (where RDP allows none, often so)
     # The search runs on a quick PLD that keeps the ledger's groups fixed, on a grid 8
     # times coarser than the accountant's and held fixed over the candidates (so each
     # candidate costs one power of one cached transform). Its bias is then measured at
