@@ -204,9 +204,10 @@ def coarsen_runs(runs, max_distinct: int | None = None, *, optimistic: bool = Fa
     (:func:`_step_cost`, the order-2 Renyi divergence of one step, which grows like the
     variance of the privacy loss). Merging stops once at most ``max_distinct`` groups are
     left and the next merge would cost more than :data:`FREE_MERGE_SHARE` of the whole
-    ledger's cost, by this proxy or by the one for orders near 1 (:func:`_near_one_costs`). A step of negligible cost (one step at sigma = 100 after thousands at
-    sigma = 1) is merged for free; a schedule that changes at every step loses only what
-    the limit forces. The proxy only steers *which* pairs merge: soundness does not
+    ledger's cost, by this proxy or by the one for orders near 1 (:func:`_near_one_costs`).
+    A step of negligible cost (one step at sigma = 100 after 50,000 at sigma = 1) is
+    merged for free; a schedule that changes at every step loses only what the limit
+    forces. The proxy only steers *which* pairs merge: soundness does not
     depend on it.
 
     ``optimistic=True`` returns the same groups with the largest sigma and the smallest q

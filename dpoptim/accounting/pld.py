@@ -184,10 +184,11 @@ def pld_epsilon_lower_bound(runs, delta, grid_points: int | None = None, max_gro
 
     A ledger of several runs is also bounded by its heaviest runs alone (by RDP, the
     heaviest one, two, ...: :func:`_heaviest_runs_bound`): dropping the other runs'
-    outputs is a post-processing, so a sub-ledger's epsilon is at most the ledger's. One grid rarely fits a run at tiny sigma (losses in the thousands) beside
-    runs that need fine bins, and the whole ledger's bound can then fall far below its
-    heaviest run's (1525 against 9082 for sigma 0.0197, q 6e-5, 1988 steps beside
-    sigma 11.2, q 0.0027, 4 million steps, delta 1e-11).
+    outputs is a post-processing, so a sub-ledger's epsilon is at most the ledger's. One
+    grid rarely fits a run at tiny sigma (losses in the thousands) beside runs that need
+    fine bins, and the whole ledger's bound can then fall far below its heaviest run's
+    (1525 against 9082 for sigma 0.0197, q 6e-5, 1988 steps beside sigma 11.2, q 0.0027,
+    4 million steps, delta 1e-11).
     """
     delta = check_delta(delta)
     grid_points = _check_grid_points(grid_points)
