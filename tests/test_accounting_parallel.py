@@ -40,6 +40,26 @@ def test_side_by_side_gives_the_same_epsilon_as_one_after_the_other(runs, monkey
     assert threading.current_thread().name in threads
 
 
+def test_both_directions_refined_side_by_side_give_the_same_epsilon(monkeypatch):
+    # Large sigma over 2e7 steps: rounding decides both directions on 2^20 points, and
+    # they nearly tie, so both are refined at once (extended precision, 0.2 to 0.3 s each).
+    runs, delta = [(2648.43, 2e-5, 21_417_213)], 1.19e-9
+    fresh(monkeypatch, 1)
+    alone = pld_module.pld_epsilon(runs, delta)
+    fresh(monkeypatch, 2)
+    threads = []
+    refine = pld_module._rounding_bound
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return refine(*args, **kwargs)
+
+    monkeypatch.setattr(pld_module, "_rounding_bound", spy)
+    assert pld_module.pld_epsilon(runs, delta) == alone
+    assert any(name.startswith("dpoptim-accounting") for name in threads)
+    assert threading.current_thread().name in threads
+
+
 def test_max_steps_is_the_same_side_by_side(monkeypatch):
     spent = [(1.0 + 0.02 * i, 0.01, 20) for i in range(70)]
     fresh(monkeypatch, 1)

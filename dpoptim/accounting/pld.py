@@ -661,9 +661,11 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
                                functools.partial(compose, direction), mixture is None, rare_split)
 
     # Where both are refinable and within a tenth of each other, the second is usually
-    # refined too: both are refined side by side, and used as the sequence below asks.
-    ahead = (_both_directions(refine) if all(map(refinable, order)) and epsilons[order[1]] + offsets[order[1]]
-             >= _SIDE_BY_SIDE_SHARE * (epsilons[order[0]] + offsets[order[0]]) else {})
+    # refined too: with two cores free, both are refined side by side, and used as the
+    # sequence below asks (on one core the second waits to be asked).
+    larger, smaller = (epsilons[d] + offsets[d] for d in order)
+    ahead = (_both_directions(refine)
+             if _side_by_side() and all(map(refinable, order)) and smaller >= _SIDE_BY_SIDE_SHARE * larger else {})
     for direction in order:
         other = _ADD if direction == _REMOVE else _REMOVE
         if refinable(direction) and epsilons[direction] + offsets[direction] >= epsilons[other] + offsets[other]:
@@ -800,6 +802,11 @@ def _lower_on(steps: tuple, deltas: dict, grid: _Grid) -> dict:
         lambda direction: _direction_lower(steps, direction, _lower_grid(steps, direction, grid), deltas[direction]))
 
 
+def _side_by_side() -> bool:
+    """Whether :func:`_both_directions` would run its two directions at once."""
+    return _usable_cores() >= 2 and not threading.current_thread().name.startswith(_THREAD_PREFIX)
+
+
 def _both_directions(compose) -> dict:
     """``{direction: compose(direction)}`` for removal and addition, side by side.
 
@@ -808,7 +815,7 @@ def _both_directions(compose) -> dict:
     this one composes removal (numpy's transforms and array arithmetic release the
     interpreter lock, so they overlap); the values are the same either way.
     """
-    if _usable_cores() < 2 or threading.current_thread().name.startswith(_THREAD_PREFIX):
+    if not _side_by_side():
         return {direction: compose(direction) for direction in (_REMOVE, _ADD)}
     added = background.executor(_THREAD_PURPOSE).submit(compose, _ADD)
     removed = compose(_REMOVE)
