@@ -1033,6 +1033,15 @@ def test_max_steps_is_exact_where_epsilon_is_still_zero(sigma, q, delta):
     assert epsilon(sigma, q, k, delta) <= budget < epsilon(sigma, q, k + 1, delta)
 
 
+def test_max_steps_after_a_ledger_whose_epsilon_is_still_zero():
+    # The steering's bias was measured as the ledger's epsilon over the steering's, 0/0.
+    spent = [(0.05, 1e-4, 3000)]
+    k = max_steps(0.05, 1e-4, 0.5, 1e-6, ledger=spent)
+    assert 3000 + k >= math.floor(math.log(0.5) / math.log1p(-1e-4)) == 6931
+    assert epsilon_of_ledger([*spent, (0.05, 1e-4, k)], 0.5) <= 1e-6
+    assert epsilon_of_ledger([*spent, (0.05, 1e-4, k + 1)], 0.5) > 1e-6
+
+
 # --- monotonicity across the whole stated range ------------------------------------------
 
 

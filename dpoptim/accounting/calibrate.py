@@ -662,8 +662,11 @@ def _steered_search(eps, sigma, q, delta, budget: float, base: Ledger, low: int,
 
     if base.steps:
         # The steering keeps the ledger's groups at their corners, which the accountant
-        # may account closer (as mixtures, see mixture.py): start from its ratio at k = 0.
-        bias[0] = eps(0) / steer(0)
+        # may account closer (as mixtures, see mixture.py): start from its ratio at k = 0
+        # (where there is one: a ledger whose epsilon is still 0 has none).
+        spent, steered = eps(0), steer(0)
+        if 0.0 < spent < math.inf and 0.0 < steered < math.inf:
+            bias[0] = spent / steered
     found = _search_steps(steer, budget, low, limit)
     if found >= limit:
         return limit
