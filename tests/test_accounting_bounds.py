@@ -1033,6 +1033,19 @@ def test_max_steps_is_exact_where_epsilon_is_still_zero(sigma, q, delta):
     assert epsilon(sigma, q, k, delta) <= budget < epsilon(sigma, q, k + 1, delta)
 
 
+def test_max_steps_with_noiseless_steps_is_exact():
+    # Noiseless steps cost epsilon 0 exactly while 1 - (1 - q)^T <= delta. max_steps at
+    # sigma 0 returned 0 regardless (the budget stop refused a step that fits), and after a
+    # ledger with noiseless steps the RDP start (no guarantee: -inf steps) raised
+    # OverflowError.
+    assert max_steps(0.0, 1e-7, 1e-5, 1.0) == 100  # 1 - (1 - 1e-7)^100 <= 1e-5 < ... ^101
+    assert max_steps(0.0, 1e-7, 1e-5, 1.0, accountant="rdp") == 0  # RDP has no guarantee for them
+    spent = [(0.0, 1e-7, 30)]
+    k = max_steps(1.0, 0.01, DELTA, 1.0, ledger=spent)
+    assert epsilon_of_ledger([*spent, (1.0, 0.01, k)], DELTA) <= 1.0
+    assert epsilon_of_ledger([*spent, (1.0, 0.01, k + 1)], DELTA) > 1.0
+
+
 def test_max_steps_after_a_ledger_whose_epsilon_is_still_zero():
     # The steering's bias was measured as the ledger's epsilon over the steering's, 0/0.
     spent = [(0.05, 1e-4, 3000)]

@@ -619,8 +619,6 @@ def max_steps(
         return 0
     if math.isinf(budget) or math.isinf(sigma):
         return UNLIMITED_STEPS
-    if sigma == 0.0:
-        return 0
     limit = 2**62
     # RDP in closed form: the exact answer for the RDP accountant up to rounding, and a
     # lower bound for PLD, which never exceeds RDP.
@@ -744,7 +742,9 @@ def _max_steps_rdp(sigma, q, delta, budget, base: Ledger, limit: int) -> int:
     best = float(np.nanmax(counts))
     if best >= limit:
         return limit
-    return max(0, math.floor(best))
+    # -inf where the ledger has noiseless steps (no RDP guarantee at all; the PLD accounts
+    # them exactly, so the search still starts from 0).
+    return math.floor(best) if best > 0.0 else 0
 
 
 def _last_feasible(eps_of, budget: float, low: int, high: int) -> int:
