@@ -739,11 +739,12 @@ def _max_steps_rdp(sigma, q, delta, budget, base: Ledger, limit: int) -> int:
     room = budget - conversion_terms(DEFAULT_ORDERS, delta) - base_rdp
     with np.errstate(divide="ignore", invalid="ignore"):
         counts = np.where(per_step > 0, room / per_step, np.where(room >= 0, np.inf, -np.inf))
-    best = float(np.nanmax(counts))
+    counts = counts[~np.isnan(counts)]
+    best = float(counts.max()) if counts.size else 0.0
     if best >= limit:
         return limit
-    # -inf where the ledger has noiseless steps (no RDP guarantee at all; the PLD accounts
-    # them exactly, so the search still starts from 0).
+    # -inf (or NaN) where the ledger or the new steps are noiseless: RDP has no guarantee
+    # for them, the PLD accounts them exactly, and the search starts from 0.
     return math.floor(best) if best > 0.0 else 0
 
 
