@@ -22,42 +22,34 @@ def fresh(monkeypatch, cores):
     pld_module._prefix_cache.clear()
 
 
-@pytest.mark.parametrize("runs", LEDGERS, ids=["one run", "schedule", "noiseless first"])
-def test_side_by_side_gives_the_same_epsilon_as_one_after_the_other(runs, monkeypatch):
+def assert_same_side_by_side(monkeypatch, runs, delta, spied):
+    """pld_epsilon on one core and on two is the same, and on two the function ``spied``
+    of pld.py ran both on this thread and on the accounting thread."""
     fresh(monkeypatch, 1)
-    alone = pld_module.pld_epsilon(runs, DELTA)
+    alone = pld_module.pld_epsilon(runs, delta)
     fresh(monkeypatch, 2)
     threads = []
-    compose = pld_module._compose_direction
+    function = getattr(pld_module, spied)
 
     def spy(*args, **kwargs):
         threads.append(threading.current_thread().name)
-        return compose(*args, **kwargs)
+        return function(*args, **kwargs)
 
-    monkeypatch.setattr(pld_module, "_compose_direction", spy)
-    assert pld_module.pld_epsilon(runs, DELTA) == alone
+    monkeypatch.setattr(pld_module, spied, spy)
+    assert pld_module.pld_epsilon(runs, delta) == alone
     assert any(name.startswith("dpoptim-accounting") for name in threads)  # it did run beside
     assert threading.current_thread().name in threads
+
+
+@pytest.mark.parametrize("runs", LEDGERS, ids=["one run", "schedule", "noiseless first"])
+def test_side_by_side_gives_the_same_epsilon_as_one_after_the_other(runs, monkeypatch):
+    assert_same_side_by_side(monkeypatch, runs, DELTA, "_compose_direction")
 
 
 def test_both_directions_refined_side_by_side_give_the_same_epsilon(monkeypatch):
     # Large sigma over 2e7 steps: rounding decides both directions on 2^20 points, and
     # they nearly tie, so both are refined at once (extended precision, 0.2 to 0.3 s each).
-    runs, delta = [(2648.43, 2e-5, 21_417_213)], 1.19e-9
-    fresh(monkeypatch, 1)
-    alone = pld_module.pld_epsilon(runs, delta)
-    fresh(monkeypatch, 2)
-    threads = []
-    refine = pld_module._rounding_bound
-
-    def spy(*args, **kwargs):
-        threads.append(threading.current_thread().name)
-        return refine(*args, **kwargs)
-
-    monkeypatch.setattr(pld_module, "_rounding_bound", spy)
-    assert pld_module.pld_epsilon(runs, delta) == alone
-    assert any(name.startswith("dpoptim-accounting") for name in threads)
-    assert threading.current_thread().name in threads
+    assert_same_side_by_side(monkeypatch, [(2648.43, 2e-5, 21_417_213)], 1.19e-9, "_rounding_bound")
 
 
 def test_max_steps_is_the_same_side_by_side(monkeypatch):
