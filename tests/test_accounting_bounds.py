@@ -531,6 +531,46 @@ def test_beyond_the_body_the_split_answers_before_any_grid(monkeypatch):
     assert 0.08 < value < 0.09 and not composed
 
 
+def test_the_split_tried_first_is_on_a_grid_sized_for_its_own_answer():
+    # sigma 0.508, q 1.55e-6, 949,724 steps, delta 8.1e-4: sized for the RDP guess (a
+    # scale of 0.5, bins of 2^-10 of it) removal's split gave 0.0173; sized again for that
+    # answer its window needs more than the first split's points, and the coarse answer
+    # was kept: 53% above the lower bound wherever addition was settled too.
+    runs = ((0.5075288771363717, 1.5501785793556335e-06, 949_724),)
+    delta = 0.000809569493009808
+    loose = rare.split_epsilon(runs, "remove", delta, 0.5, points=pld_module._FIRST_SPLIT_POINTS)
+    assert rare.split_epsilon(runs, "remove", delta, 0.5, points=pld_module._FIRST_SPLIT_POINTS, strict=True) is None
+    upper = epsilon_of_ledger(runs, delta)
+    lower = pld_epsilon_lower_bound(runs, delta)
+    assert_bracketed(upper, lower, rel=0.01)
+    assert loose[0] > 1.4 * lower
+
+
+def test_addition_below_removal_is_settled_on_a_coarse_grid_first(monkeypatch):
+    # q 1e-6, 30 steps, sigma 0.339, delta 1e-5: addition's epsilon (about 1e-5) is a tenth
+    # of removal's. Sized for removal's answer, rounding decided addition's split after 0.7
+    # s, and the grids answered instead; sized for 64 times that answer, it is settled below
+    # removal at once. Only the larger direction is reported.
+    runs = ((0.3392368, 1e-6, 30),)
+    guesses = []
+    split = rare.split_epsilon
+    monkeypatch.setattr(rare, "split_epsilon", lambda s, d, delta, guess, *a, **k: guesses.append((d, guess)) or
+                        split(s, d, delta, guess, *a, **k))
+    found = pld_module._split_first(runs, {"remove": 1e-5, "add": 1e-5}, 1e-3)
+    assert found is not None and found["add"] <= found["remove"]
+    assert [d for d, _ in guesses] == ["remove", "add"]
+    assert guesses[1][1] == pytest.approx(64 * found["remove"])
+    monkeypatch.undo()
+    pld_module._pld_epsilon.cache_clear()
+    reported = pld_epsilon(runs, 1e-5)
+    monkeypatch.setattr(pld_module, "_split_first", lambda *args, **kwargs: None)  # the grids' path, as before
+    pld_module._pld_epsilon.cache_clear()
+    grids = pld_epsilon(runs, 1e-5)
+    pld_module._pld_epsilon.cache_clear()
+    assert reported == pytest.approx(found["remove"], rel=1e-9)
+    assert reported <= grids  # 9.9911e-5 against 9.9947e-5 (the lower bound: 9.951e-5, at 2^20 points)
+
+
 def test_the_split_refuses_a_guess_whose_grid_would_underflow():
     # One step at q 9.1e-4, delta e^-7: epsilon is 0, and the first grid's answer, tiny, sized
     # the split's grid: the square of its scale underflowed (ValueError: math domain error).
@@ -1002,6 +1042,34 @@ def test_inverse_quadratic_finds_the_root_of_a_parabola():
 def test_tiny_targets_ask_for_large_noise_not_an_error():
     sigma = calibrate_noise(1e-6, DELTA, 0.01, 1000)
     assert sigma > 1e3 and epsilon(sigma, 0.01, 1000, DELTA) <= 1e-6
+
+
+@pytest.mark.parametrize("target, delta, q, steps", [
+    (2.639e-4, 2.5e-3, 3.78e-5, 8_423_779),  # sigma 16.7: ten evaluations before
+    (8.031e-4, 1.47e-2, 1.73e-4, 2_494_308),  # sigma 7.26: eleven
+    (1.273e-4, 1.19e-9, 2e-5, 21_417_213),  # sigma 2648: three, 1.9 to 2.8 s; the coarse PLD said 3814
+])
+def test_calibration_with_large_noise_starts_at_the_central_limit_theorem(monkeypatch, target, delta, q, steps):
+    # Where the answer is a large sigma, the central limit theorem lands within about 1%
+    # of the accountant's answer; a coarse grid cannot resolve the small epsilon of many
+    # steps there (off by half or more), and no coarse PLD is evaluated at all.
+    calls, accountant = count_accountant_calls(monkeypatch)
+    coarse = []
+    monkeypatch.setattr(calibrate_module, "coarse_epsilon", lambda *a: coarse.append(a) or math.inf)
+    sigma = calibrate_noise(target, delta, q, steps)
+    assert target * 0.998 <= accountant([(sigma, q, steps)], delta) <= target
+    assert sigma in calls and len(calls) <= 2 and not coarse, calls
+
+
+@pytest.mark.parametrize("target, delta, q, steps", [(1e-4, 1e-9, 2e-5, 10**7), (3.0, 1e-5, 0.01, 10**4),
+                                                     (0.5, 1e-12, 0.3, 7), (1e-3, 0.05, 1e-6, 10**8)])
+def test_the_central_limit_sigma_puts_its_own_epsilon_at_the_target(target, delta, q, steps):
+    # mu = q sqrt(T (e^{1/sigma^2} - 1)) (Bu et al. 2020), and mu-GDP's delta at the
+    # target from the closed form (Balle & Wang 2018): the round trip lands on the target.
+    sigma = calibrate_module._clt_sigma(target, delta, q, steps)
+    mu = q * math.sqrt(steps * math.expm1(sigma**-2))
+    assert gaussian_epsilon(delta, mu) == pytest.approx(target, rel=1e-6)
+    assert calibrate_module._clt_sigma(target, delta, 1.0, steps) is None  # q = 1 is exact elsewhere
 
 
 def test_rdp_floor_is_named():

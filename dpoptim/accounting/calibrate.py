@@ -28,6 +28,7 @@ from .ledger import (
     check_noise_multiplier,
     check_sample_rate,
 )
+from .gaussian import gaussian_delta, gaussian_epsilon
 from .pld import PLDAccountant, coarse_epsilon, model_epsilon, pld_epsilon, steering_epsilon
 from .rdp import DEFAULT_ORDERS, RDPAccountant, conversion_terms, ledger_rdp, rdp_subsampled_gaussian
 
@@ -122,26 +123,28 @@ def calibrate_noise(target_epsilon, delta, sample_rate, steps, accountant: str =
 
     start = _gdp_guess(target, delta, q, steps)
     rdp_floor = eps(_SIGMA_MAX, "rdp")
-    if rdp_floor < target * (1.0 - _CALIBRATION_TOLERANCE):
-        if name == "rdp":
-            return _solve(lambda sigma: eps(sigma, "rdp"), target, start)
-        # Only a start for the PLD: ten RDP evaluations land close enough.
-        guess = _solve(lambda sigma: eps(sigma, "rdp"), target, start, max_evaluations=10,
-                       tolerance=_STEERING_TOLERANCE)
-        # A PLD on a fixed coarse grid (an upper bound too, a little looser) brings the RDP
-        # answer to within a few percent cheaply; the accountant itself finishes.
-        coarse = _solve(lambda sigma: coarse_epsilon([(sigma, q, steps)], delta, _COARSE_GRID), target, guess, close=True,
-                        max_evaluations=_STEERING_EVALUATIONS, tolerance=_STEERING_TOLERANCE,
-                        resolution=_STEERING_RESOLUTION)
-        return _finish(lambda sigma: eps(sigma, "pld"), target, coarse, q, steps, delta)
+    reachable = rdp_floor < target * (1.0 - _CALIBRATION_TOLERANCE)
     if name == "rdp":
+        if reachable:
+            return _solve(lambda sigma: eps(sigma, "rdp"), target, start)
         raise ValueError(
             f"target_epsilon {target!r} is below what the RDP accountant can certify at delta={delta!r} "
             f"(its bound never falls below {rdp_floor:.3g} for any noise multiplier); "
             f"use accountant='pld', which meets any positive target"
         )
+    clt = _clt_sigma(target, delta, q, steps)
+    if clt is not None and clt >= _CLT_SIGMA:
+        # Large noise: the central limit theorem alone lands within about 1% (every step's
+        # loss is near Gaussian), where a coarse grid cannot resolve a small target.
+        return _finish(lambda sigma: eps(sigma, "pld"), target, clt, q, steps, delta,
+                       first=(clt, _clt_slope(clt, delta, q, steps)))
+    if reachable:  # only a start for the PLD: ten RDP evaluations land close enough
+        start = _solve(lambda sigma: eps(sigma, "rdp"), target, start, max_evaluations=10,
+                       tolerance=_STEERING_TOLERANCE)
+    # A PLD on a fixed coarse grid (an upper bound too, a little looser) brings the start
+    # to within a few percent cheaply; the accountant itself finishes.
     coarse = _solve(lambda sigma: coarse_epsilon([(sigma, q, steps)], delta, _COARSE_GRID), target, start,
-                    max_evaluations=_STEERING_EVALUATIONS, tolerance=_STEERING_TOLERANCE,
+                    close=reachable, max_evaluations=_STEERING_EVALUATIONS, tolerance=_STEERING_TOLERANCE,
                     resolution=_STEERING_RESOLUTION)
     return _finish(lambda sigma: eps(sigma, "pld"), target, coarse, q, steps, delta)
 
@@ -174,7 +177,51 @@ def _gdp_guess(target: float, delta: float, q: float, steps: int) -> float:
     return min(max(q * math.sqrt(steps) / mu, 1e-2), 1e12)
 
 
-def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: float) -> float:
+def _clt_mu(sigma: float, q: float, steps: int) -> float:
+    """The mu of the central limit theorem for ``steps`` subsampled Gaussian steps,
+    ``q sqrt(T (e^{1/sigma^2} - 1))`` (Bu, Dong, Long & Su 2020, "Deep Learning with
+    Gaussian Differential Privacy", Theorem 5, from Dong, Roth & Su 2019, Theorem 3.5)."""
+    return q * math.sqrt(steps * math.expm1(min(sigma**-2, 700.0)))
+
+
+def _clt_sigma(target: float, delta: float, q: float, steps: int) -> float | None:
+    """The sigma at which the central limit theorem puts epsilon at ``target``: the mu
+    whose mu-GDP profile (:func:`~dpoptim.accounting.gaussian.gaussian_delta`) is
+    ``delta`` at ``target``, by bisection on log mu, turned into sigma by :func:`_clt_mu`.
+    A steering only: not a bound of either side. None where it has no answer."""
+    low, high = 1e-300, 1e300
+    if not (0.0 < q < 1.0 and gaussian_delta(target, high) > delta >= gaussian_delta(target, low)):
+        return None
+    for _ in range(64):
+        middle = math.sqrt(low * high)
+        if gaussian_delta(target, middle) > delta:
+            high = middle
+        else:
+            low = middle
+        if high <= low * (1.0 + 1e-9):
+            break
+    ratio = low / q
+    return 1.0 / math.sqrt(math.log1p(ratio * ratio / steps)) if ratio > 0.0 else None
+
+
+def _clt_slope(sigma: float, delta: float, q: float, steps: int) -> float:
+    """-d log epsilon / d log sigma of the central limit theorem's epsilon at ``sigma``
+    (a first slope for :func:`_finish`), clipped to 1..50 as its secant slopes are."""
+    upper, lower = (gaussian_epsilon(delta, _clt_mu(sigma * factor, q, steps)) for factor in (0.99, 1.01))
+    if not (0.0 < lower < upper < math.inf):
+        return 1.0
+    return min(max(math.log(upper / lower) / math.log(1.01 / 0.99), 1.0), 50.0)
+
+
+#: From this sigma on, :func:`calibrate_noise` starts at the central limit theorem's
+#: answer (:func:`_clt_sigma`): measured within 1.2% of the accountant's answer for every
+#: sigma above 3 in 157 random calibrations (q from 1e-6 to 0.6, 2 to 10^8 steps, delta
+#: from 1e-12 to 0.06), where the coarse PLD can be off by half or more.
+_CLT_SIGMA = 4.0
+
+
+def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: float,
+            first: tuple | None = None) -> float:
     """The accountant's own search from the coarse answer ``start``.
 
     A model steers it: the PLD on one grid chosen at ``start``, a quarter of the
@@ -198,8 +245,10 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
 
     floor = target * (1.0 - _CALIBRATION_TOLERANCE)
     aim = target * (1.0 - _CALIBRATION_TOLERANCE / 2)
-    rate = _near_zero_rate(start, q, steps, delta)  # near zero: -d epsilon / d log sigma
-    if rate is not None:  # the model's scaling suits a relative error, not the additive one here
+    rate = None if first is not None else _near_zero_rate(start, q, steps, delta)  # near zero: -d eps / d log sigma
+    if first is not None:  # the accountant's first point and slope are given
+        (sigma, slope), previous = first, None
+    elif rate is not None:  # the model's scaling suits a relative error, not the additive one here
         if floor <= accountant(start) <= target:
             return start
         (sigma, rate), previous, slope = _linear_step(known, start, None, aim, rate), start, _STEEP
@@ -221,19 +270,27 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
             continue
         if not 0 < value < math.inf:
             break
-        if previous is not None and 0 < known[previous] < math.inf and known[previous] != value:
-            slope = min(max(math.log(value / known[previous]) / math.log(previous / sigma), 1.0), 50.0)
-        step = min(max((value / aim) ** (1.0 / slope), 0.5), 2.0)
-        # three points: the parabola through them (log sigma against log epsilon), if near
-        curve = _inverse_quadratic([(math.log(s), math.log(known[s] / aim)) for s in list(known)[-3:]])
-        previous, sigma = sigma, sigma * step
-        if math.isfinite(curve) and 0.5 <= math.exp(curve) / previous <= 2.0:
-            sigma = math.exp(curve)
+        previous, sigma, slope = _secant_step(known, sigma, previous, slope, aim)
         if sigma in known:
             break
     feasible = [s for s, v in known.items() if v <= target]
     return _solve(accountant, target, min(feasible) if feasible else max(known), close=True, slope=slope,
                   resolution=_JUMP_RESOLUTION)
+
+
+def _secant_step(known: dict, sigma: float, previous: float | None, slope: float, aim: float) -> tuple:
+    """``(sigma, next sigma, slope)`` of :func:`_finish`'s secant step on log epsilon against
+    log sigma from the accountant's ``known`` points, ``sigma`` the last: the slope from the
+    last two (clipped to 1..50; ``slope`` without them), or the parabola through the last
+    three where it lands near."""
+    value = known[sigma]
+    if previous is not None and 0 < known[previous] < math.inf and known[previous] != value:
+        slope = min(max(math.log(value / known[previous]) / math.log(previous / sigma), 1.0), 50.0)
+    step = min(max((value / aim) ** (1.0 / slope), 0.5), 2.0)
+    curve = _inverse_quadratic([(math.log(s), math.log(known[s] / aim)) for s in list(known)[-3:]])
+    if math.isfinite(curve) and 0.5 <= math.exp(curve) / sigma <= 2.0:
+        return sigma, math.exp(curve), slope
+    return sigma, sigma * step, slope
 
 
 def _modelled_start(accountant, start: float, band: tuple, aim: float, q: float, steps: int,
