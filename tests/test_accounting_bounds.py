@@ -1052,13 +1052,25 @@ def test_tiny_targets_ask_for_large_noise_not_an_error():
 def test_calibration_with_large_noise_starts_at_the_central_limit_theorem(monkeypatch, target, delta, q, steps):
     # Where the answer is a large sigma, the central limit theorem lands within about 1%
     # of the accountant's answer; a coarse grid cannot resolve the small epsilon of many
-    # steps there (off by half or more), and no coarse PLD is evaluated at all.
+    # steps there (off by half or more), and no coarse PLD steers (it is asked only whether
+    # the largest sigma tried meets the target, where the RDP bound cannot say).
     calls, accountant = count_accountant_calls(monkeypatch)
     coarse = []
-    monkeypatch.setattr(calibrate_module, "coarse_epsilon", lambda *a: coarse.append(a) or math.inf)
+    largest = calibrate_module._SIGMA_MAX
+    monkeypatch.setattr(calibrate_module, "coarse_epsilon",
+                        lambda runs, *a: coarse.append(runs[0][0]) or (0.0 if runs[0][0] == largest else math.inf))
     sigma = calibrate_noise(target, delta, q, steps)
     assert target * 0.998 <= accountant([(sigma, q, steps)], delta) <= target
-    assert sigma in calls and len(calls) <= 2 and not coarse, calls
+    assert sigma in calls and len(calls) <= 2 and set(coarse) <= {largest}, (calls, coarse)
+
+
+def test_a_target_beyond_the_largest_sigma_is_refused_by_name():
+    # The central limit theorem puts a target of 1e-300 (delta 1e-300) at sigma 1.6e9. The
+    # accountant's secant steps from there overflowed (OverflowError, from exp of a
+    # parabola's root); without the overflow they took 34 s to find that not even 1e15
+    # meets it. The coarse PLD at 1e15 says so first, as it did before (0.4 s).
+    with pytest.raises(ValueError, match="target_epsilon 1e-300 cannot be met"):
+        calibrate_noise(1e-300, 1e-300, 6.5e-8, 48)
 
 
 @pytest.mark.parametrize("target, delta, q, steps", [(1e-4, 1e-9, 2e-5, 10**7), (3.0, 1e-5, 0.01, 10**4),

@@ -133,7 +133,8 @@ def calibrate_noise(target_epsilon, delta, sample_rate, steps, accountant: str =
             f"use accountant='pld', which meets any positive target"
         )
     clt = _clt_sigma(target, delta, q, steps)
-    if clt is not None and clt >= _CLT_SIGMA:
+    if (clt is not None and clt >= _CLT_SIGMA
+            and (reachable or coarse_epsilon([(_SIGMA_MAX, q, steps)], delta, _COARSE_GRID) <= target)):
         # Large noise: the central limit theorem alone lands within about 1% (every step's
         # loss is near Gaussian), where a coarse grid cannot resolve a small target.
         return _finish(lambda sigma: eps(sigma, "pld"), target, clt, q, steps, delta,
@@ -288,7 +289,7 @@ def _secant_step(known: dict, sigma: float, previous: float | None, slope: float
         slope = min(max(math.log(value / known[previous]) / math.log(previous / sigma), 1.0), 50.0)
     step = min(max((value / aim) ** (1.0 / slope), 0.5), 2.0)
     curve = _inverse_quadratic([(math.log(s), math.log(known[s] / aim)) for s in list(known)[-3:]])
-    if math.isfinite(curve) and 0.5 <= math.exp(curve) / sigma <= 2.0:
+    if math.isfinite(curve) and abs(curve - math.log(sigma)) <= math.log(2.0):  # (exp(curve) may overflow)
         return sigma, math.exp(curve), slope
     return sigma, sigma * step, slope
 
