@@ -263,6 +263,15 @@ def main(argv=None) -> int:
         spent = epsilon_of_ledger([(sigma, 1e-6, 10**6)], 1e-12)
         print(f"| target {target:g}, q 1e-6, 10^6 steps, delta 1e-12 | {_show(sigma)} | {_show(spent)} | {wall:.2f} "
               f"| {cpu:.2f} | 2 |", flush=True)
+    for target, delta, q, steps in ((1.273e-4, 1.19e-9, 2e-5, 21_417_213),  # large sigma: the CLT starts
+                                    (1.602e-4, 1.39e-8, 8.13e-5, 88_936_800),
+                                    (1e-4, 1e-5, 1e-6, 30)):  # tiny q, few steps: addition settled coarse
+        if args.only and args.only not in "calibrate":
+            continue
+        sigma, wall, cpu = _time(lambda: calibrate_noise(_fresh(target), delta, q, steps), args.repeat)
+        spent = epsilon_of_ledger([(sigma, q, steps)], delta)
+        print(f"| target {target:g}, q {q:g}, {steps:,} steps, delta {delta:g} | {_show(sigma)} | {_show(spent)} "
+              f"| {wall:.2f} | {cpu:.2f} | 2 |", flush=True)
     sigma, wall, cpu = _time(lambda: calibrate_noise(1.0, 1e-5, 1e-9, 1000), args.repeat)
     print(f"| target 1, q 1e-9 (noiseless meets it) | {_show(sigma)} | 0 | {wall:.2f} | {cpu:.2f} | 2 |")
     return 0
