@@ -573,11 +573,14 @@ def _split_first(steps: tuple, deltas: dict, guess: float, again: bool = True, s
     """Each direction's epsilon by the split of :mod:`.rare`, sized from ``guess`` (an upper
     estimate; ``again``: see :func:`~dpoptim.accounting.rare.split_epsilon`), where it
     answers both without rounding deciding (else None): beyond the body of the loss,
-    where rare losses decide epsilon, its grid is the finer one. Removal first; addition
-    is first sized for removal's answer (with ``again``), and only sized for its own
-    where it is above (``shift``: added to it by the caller), as only the larger is
-    reported; without a tail of its own it is composed whole on the split's fine grid.
-    Where removal has no rare tail, the grids answer."""
+    where rare losses decide epsilon, its grid is the finer one. Removal first, on the
+    grid sized for its own answer (``strict``); addition is first sized for
+    :data:`_QUICK_ADDITION` times removal's answer, which settles it where that answer
+    (a sound upper bound on any grid) is at most removal's, then for removal's answer
+    (with ``again``), and only sized for its own where it is above (``shift``: added to
+    it by the caller), as only the larger is reported; without a tail of its own it is
+    composed whole on the split's fine grid. Where removal has no rare tail, the grids
+    answer."""
     removal = rare.split_epsilon(steps, _REMOVE, deltas[_REMOVE], guess, again, _FIRST_SPLIT_POINTS, strict=True)
     if removal is None or removal[1]:
         return None
