@@ -1048,27 +1048,40 @@ def test_tiny_targets_ask_for_large_noise_not_an_error():
     (2.639e-4, 2.5e-3, 3.78e-5, 8_423_779),  # sigma 16.7: ten evaluations before
     (8.031e-4, 1.47e-2, 1.73e-4, 2_494_308),  # sigma 7.26: eleven
     (1.273e-4, 1.19e-9, 2e-5, 21_417_213),  # sigma 2648: three, 1.9 to 2.8 s; the coarse PLD said 3814
+    (4.144e-4, 1.02e-12, 4.68e-6, 63_703_753),  # sigma 476: the coarse PLD cannot reach the target at all
 ])
 def test_calibration_with_large_noise_starts_at_the_central_limit_theorem(monkeypatch, target, delta, q, steps):
     # Where the answer is a large sigma, the central limit theorem lands within about 1%
     # of the accountant's answer; a coarse grid cannot resolve the small epsilon of many
-    # steps there (off by half or more), and no coarse PLD steers (it is asked only whether
-    # the largest sigma tried meets the target, where the RDP bound cannot say).
+    # steps there (off by half or more), and no coarse PLD steers.
     calls, accountant = count_accountant_calls(monkeypatch)
     coarse = []
-    largest = calibrate_module._SIGMA_MAX
-    monkeypatch.setattr(calibrate_module, "coarse_epsilon",
-                        lambda runs, *a: coarse.append(runs[0][0]) or (0.0 if runs[0][0] == largest else math.inf))
+    monkeypatch.setattr(calibrate_module, "coarse_epsilon", lambda *a: coarse.append(a) or math.inf)
     sigma = calibrate_noise(target, delta, q, steps)
     assert target * 0.998 <= accountant([(sigma, q, steps)], delta) <= target
-    assert sigma in calls and len(calls) <= 2 and set(coarse) <= {largest}, (calls, coarse)
+    assert sigma in calls and len(calls) <= 2 and not coarse, (calls, coarse)
+
+
+def test_the_model_is_solved_by_false_position_once_its_points_bracket_the_aim(monkeypatch):
+    # q 3.75e-6 over 10^7 steps, delta 4.9e-11: one rare loss decides epsilon, which falls
+    # from 0.77 to 0.16 between sigma 0.60 and 0.73, where the probe's slope says 2.5. The
+    # model's chord steps overshot both ways and its answer (0.794) was far off: seven
+    # accountant evaluations. False position between the bracket's ends lands once.
+    calls, accountant = count_accountant_calls(monkeypatch)
+    sigma = calibrate_noise(0.2593, 4.88e-11, 3.75e-6, 9_968_243)
+    assert 0.2593 * 0.998 <= accountant([(sigma, 3.75e-6, 9_968_243)], 4.88e-11) <= 0.2593
+    assert len(calls) <= 2, calls
+    points = [(0.0, 0.5), (0.01, 0.45), (-0.2, 1.2), (0.4, -0.3)]
+    assert calibrate_module._model_bracket(points) == ((0.01, 0.45), (0.4, -0.3))
+    assert calibrate_module._model_bracket(points[:3]) is None
 
 
 def test_a_target_beyond_the_largest_sigma_is_refused_by_name():
     # The central limit theorem puts a target of 1e-300 (delta 1e-300) at sigma 1.6e9. The
     # accountant's secant steps from there overflowed (OverflowError, from exp of a
     # parabola's root); without the overflow they took 34 s to find that not even 1e15
-    # meets it. The coarse PLD at 1e15 says so first, as it did before (0.4 s).
+    # meets it. The accountant there is far from the target (1e-20), so the steered
+    # search takes over and refuses it, as it did before.
     with pytest.raises(ValueError, match="target_epsilon 1e-300 cannot be met"):
         calibrate_noise(1e-300, 1e-300, 6.5e-8, 48)
 

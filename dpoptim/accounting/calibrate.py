@@ -132,13 +132,9 @@ def calibrate_noise(target_epsilon, delta, sample_rate, steps, accountant: str =
             f"(its bound never falls below {rdp_floor:.3g} for any noise multiplier); "
             f"use accountant='pld', which meets any positive target"
         )
-    clt = _clt_sigma(target, delta, q, steps)
-    if (clt is not None and clt >= _CLT_SIGMA
-            and (reachable or coarse_epsilon([(_SIGMA_MAX, q, steps)], delta, _COARSE_GRID) <= target)):
-        # Large noise: the central limit theorem alone lands within about 1% (every step's
-        # loss is near Gaussian), where a coarse grid cannot resolve a small target.
-        return _finish(lambda sigma: eps(sigma, "pld"), target, clt, q, steps, delta,
-                       first=(clt, _clt_slope(clt, delta, q, steps)))
+    first = _clt_start(lambda sigma: eps(sigma, "pld"), target, delta, q, steps)
+    if first is not None:
+        return _finish(lambda sigma: eps(sigma, "pld"), target, first[0], q, steps, delta, first=first)
     if reachable:  # only a start for the PLD: ten RDP evaluations land close enough
         start = _solve(lambda sigma: eps(sigma, "rdp"), target, start, max_evaluations=10,
                        tolerance=_STEERING_TOLERANCE)
@@ -207,6 +203,23 @@ def _clt_sigma(target: float, delta: float, q: float, steps: int) -> float | Non
     return 1.0 / math.sqrt(math.log1p(ratio * ratio / steps)) if ratio > 0.0 else None
 
 
+def _clt_start(accountant, target: float, delta: float, q: float, steps: int) -> tuple | None:
+    """``(sigma, slope, epsilon)``: the central limit theorem's sigma for ``target``
+    (:func:`_clt_sigma`), its slope there and the ``accountant``'s epsilon there, where
+    that sigma is large (:data:`_CLT_SIGMA`): every step's loss is then near Gaussian, and
+    the theorem alone lands within about 1%, where a coarse grid cannot resolve a small
+    target. None where it is not, or where the accountant there is not within a factor of
+    2 of the target (an epsilon of 0 near the sigma where it reaches 0, or a target out of
+    reach): the steered search takes over from scratch."""
+    sigma = _clt_sigma(target, delta, q, steps)
+    if sigma is None or sigma < _CLT_SIGMA:
+        return None
+    value = accountant(sigma)
+    if not (0.0 < value < math.inf and abs(math.log(value / target)) <= math.log(2.0)):
+        return None
+    return sigma, _clt_slope(sigma, delta, q, steps), value
+
+
 def _clt_slope(sigma: float, delta: float, q: float, steps: int) -> float:
     """-d log epsilon / d log sigma of the central limit theorem's epsilon at ``sigma``
     (a first slope for :func:`_finish`), clipped to 1..50 as its secant slopes are."""
@@ -238,9 +251,9 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
     reaches 0 (:func:`_near_zero_rate`; the accountant is off the coarse PLD by a
     constant there, not a factor) the steps are on epsilon itself, without the model
     (:func:`_linear_step`). :func:`_illinois` narrows a bracket (to :data:`_JUMP_RESOLUTION`
-    at most). ``first``: ``(sigma, slope)``, the accountant's first point and the slope of
-    the first secant step, given (the central limit theorem's, :func:`_clt_sigma`): no
-    model then. Only evaluated points are returned: the answer never overshoots."""
+    at most). ``first``: ``(sigma, slope, value)``, the accountant's first point, the
+    slope of the first secant step and the accountant's value there, given (the central
+    limit theorem's, :func:`_clt_sigma`): no model then. Only evaluated points are returned: the answer never overshoots."""
     known: dict[float, float] = {}
 
     def accountant(sigma: float) -> float:
@@ -251,8 +264,8 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
     floor = target * (1.0 - _CALIBRATION_TOLERANCE)
     aim = target * (1.0 - _CALIBRATION_TOLERANCE / 2)
     rate = None if first is not None else _near_zero_rate(start, q, steps, delta)  # near zero: -d eps / d log sigma
-    if first is not None:  # the accountant's first point and slope are given
-        (sigma, slope), previous = first, None
+    if first is not None:  # the accountant's first point, slope and value are given
+        (sigma, slope, known[sigma]), previous = first, None
     elif rate is not None:  # the model's scaling suits a relative error, not the additive one here
         if floor <= accountant(start) <= target:
             return start
@@ -367,8 +380,14 @@ def _modelled(anchor: float, guess: float, start: float, value: float | None, ai
             return None
         slope = (anchored - probed) / (probe - x)
         x, g, evaluations = probe, probed + shift, 2
+    points = [(math.log(start), anchored + shift), (x, g)]
     for evaluations in range(evaluations, _MODEL_EVALUATIONS + 1):
         step = min(max(g / slope, -math.log(2.0)), math.log(2.0))
+        bracket = _model_bracket(points)
+        if bracket is not None:  # the chords overshot: false position between the bracket's ends
+            (low, above), (high, below) = bracket
+            slope = (above - below) / (high - low)
+            step = low + above / slope - x
         x += step
         if abs(step) < tolerance or evaluations == _MODEL_EVALUATIONS:
             break
@@ -376,7 +395,23 @@ def _modelled(anchor: float, guess: float, start: float, value: float | None, ai
         if log_value is None:
             return None
         g = log_value + shift
+        points.append((x, g))
     return math.exp(x), min(max(slope, 1.0), 50.0)
+
+
+def _model_bracket(points: list) -> tuple | None:
+    """``((x, g), (x, g))``: of the model's points (log sigma, log epsilon over the aim),
+    the largest sigma still above the aim and the smallest below it, where the first is
+    the smaller; else None. Where epsilon falls much faster than the probe's slope says
+    (one rare loss deciding it), chord steps with that slope overshoot both ways (q 3.75e-6,
+    10^7 steps, delta 4.9e-11: epsilon from 0.77 to 0.16 between sigma 0.60 and 0.73,
+    probe slope 2.5); false position between the two converges."""
+    above = [point for point in points if point[1] > 0.0]
+    below = [point for point in points if point[1] < 0.0]
+    if not above or not below:
+        return None
+    low, high = max(above), min(below)
+    return (low, high) if low[0] < high[0] else None
 
 
 #: How far (in log sigma) from the coarse answer the model's own answer is trusted as the
