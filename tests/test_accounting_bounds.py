@@ -1076,6 +1076,25 @@ def test_the_model_is_solved_by_false_position_once_its_points_bracket_the_aim(m
     assert calibrate_module._model_bracket(points[:3]) is None
 
 
+def test_the_model_settles_the_smaller_direction_before_its_split(monkeypatch):
+    # q 1.72e-6 over 8.2*10^7 steps: rounding decides both directions on the model's grid.
+    # Side by side, addition's split took 0.9 s to reach 0.40, below removal's refined
+    # 0.62; its float64 answer at its own tilt settles that first, at the same maximum.
+    q, steps, delta, sigma = 1.72e-6, 82_111_480, 8.68e-9, 0.54605992
+    guess = pld_module.coarse_epsilon([(sigma, q, steps)], delta, 2**14)
+    grid = pld_module._model_grid(sigma, q, steps, delta, guess)
+    runs, deltas = ((sigma, q, steps),), {"remove": delta, "add": delta}
+    split = rare.split_epsilon
+    directions = []
+    monkeypatch.setattr(rare, "split_epsilon", lambda s, d, *a, **k: directions.append(d) or split(s, d, *a, **k))
+    settled = pld_module._compose_on(runs, deltas, grid, settle_first=True)
+    assert directions == ["remove"]
+    both = pld_module._compose_on(runs, deltas, grid)
+    assert "add" in directions[1:]
+    assert max(settled.values()) == max(both.values())
+    assert both["add"] < settled["add"] <= settled["remove"]
+
+
 def test_a_target_beyond_the_largest_sigma_is_refused_by_name():
     # The central limit theorem puts a target of 1e-300 (delta 1e-300) at sigma 1.6e9. The
     # accountant's secant steps from there overflowed (OverflowError, from exp of a

@@ -434,7 +434,7 @@ def model_epsilon(sigma: float, q: float, count: int, delta: float, anchor: floa
             if early is not None:
                 return max(early.values())
         grid = _model_grid(anchor, q, count, delta, guess)
-        return _shifted_max(_compose_on(steps, deltas, grid), 0.0)
+        return _shifted_max(_compose_on(steps, deltas, grid, settle_first=True), 0.0)
     except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
         return None
 
@@ -651,7 +651,8 @@ def _shorter_cut_grid(steps: tuple, delta: float, grid: _Grid, guess: float):
 
 
 def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: float = 0.0,
-                bound: set | None = None, split: set | None = None, rare_split: bool = True) -> dict:
+                bound: set | None = None, split: set | None = None, rare_split: bool = True,
+                settle_first: bool = False) -> dict:
     """Epsilon of each direction on ``grid``: both composed side by side in float64, then
     refined where rounding decides a direction's answer (:func:`_refined`), unless that
     direction cannot set the reported ``max(remove, add + shift)``. Refining only lowers
@@ -659,7 +660,14 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
     other's final value leaves the maximum as it is: the larger is refined first (on a
     tie, both), then the other if it is now at least as large. The result is the maximum
     that refining both would give. Each direction refined is added to ``bound``, or to
-    ``split`` where the split of :mod:`.rare` alone answered it (tried with ``rare_split``)."""
+    ``split`` where the split of :mod:`.rare` alone answered it (tried with ``rare_split``).
+
+    ``settle_first`` (the calibration's model, :func:`model_epsilon`): one after the
+    other, and the other's quickest candidate first (float64 at its own tilt where that
+    is above the grid's), the rest only where that is still above the larger's final
+    value. The maximum is the same; side by side, the other's split could take four
+    times the larger's refinement for nothing (q 1.72e-6, 8.2*10^7 steps: addition's
+    0.9 s, to 0.40 against removal's 0.62)."""
     def compose(direction: str, on: _Grid, dtype) -> tuple[float, bool]:
         return _compose_direction(steps, direction, on, deltas[direction], dtype, mixture=mixture)
 
@@ -680,14 +688,29 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
     # sequence below asks (on one core the second waits to be asked).
     larger, smaller = (epsilons[d] + offsets[d] for d in order)
     ahead = (_both_directions(refine)
-             if _side_by_side() and all(map(refinable, order)) and smaller >= _SIDE_BY_SIDE_SHARE * larger else {})
+             if not settle_first and _side_by_side() and all(map(refinable, order))
+             and smaller >= _SIDE_BY_SIDE_SHARE * larger else {})
     for direction in order:
         other = _ADD if direction == _REMOVE else _REMOVE
         if refinable(direction) and epsilons[direction] + offsets[direction] >= epsilons[other] + offsets[other]:
-            epsilons[direction], by_split = ahead[direction] if direction in ahead else refine(direction)
+            second = settle_first and direction == order[1]
+            fast = _quick_refined(steps, direction, grid, deltas[direction], compose) if second else math.inf
+            if fast + offsets[direction] <= epsilons[other] + offsets[other]:
+                epsilons[direction], by_split = fast, False  # settled below the larger's final value
+            else:
+                epsilons[direction], by_split = ahead[direction] if direction in ahead else refine(direction)
             if bound is not None and split is not None:
                 (split if by_split else bound).add(direction)
     return epsilons
+
+
+def _quick_refined(steps: tuple, direction: str, grid: _Grid, delta: float, compose) -> float:
+    """``direction``'s float64 answer at its own tilt (:func:`_own_tilt`) where that is
+    above the grid's, the quickest of :func:`_refined`'s candidates; inf where it is not."""
+    own = _own_tilt(steps, direction, grid, delta)
+    if own is None or not own > grid.tilt:
+        return math.inf
+    return compose(direction, dataclasses.replace(grid, tilt=own), np.float64)[0]
 
 
 #: :func:`_compose_on` refines both directions side by side where the smaller is at least
