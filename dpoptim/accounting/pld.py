@@ -693,7 +693,7 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
     for direction in order:
         other = _ADD if direction == _REMOVE else _REMOVE
         if refinable(direction) and epsilons[direction] + offsets[direction] >= epsilons[other] + offsets[other]:
-            second = settle_first and direction == order[1]
+            second = settle_first and mixture is None and direction == order[1]  # (own tilts: plain steps)
             fast = _quick_refined(steps, direction, grid, deltas[direction], compose) if second else math.inf
             if fast + offsets[direction] <= epsilons[other] + offsets[other]:
                 epsilons[direction], by_split = fast, False  # settled below the larger's final value
