@@ -1095,6 +1095,18 @@ def test_the_model_settles_the_smaller_direction_before_its_split(monkeypatch):
     assert both["add"] < settled["add"] <= settled["remove"]
 
 
+def test_the_model_does_not_jump_where_rounding_starts_to_decide():
+    # q 2e-5 over 8.3*10^7 steps, delta 1.6e-12: refined by the split where rounding
+    # decided its grid's answer, the model fell from 3.145 (sigma 0.7484) to 2.738 (0.7491)
+    # while the accountant moves by 0.1%; the calibration's secant steps followed the jump.
+    q, steps, delta, anchor = 1.99e-5, 83_425_101, 1.58e-12, 0.78950545
+    guess = pld_module.coarse_epsilon([(anchor, q, steps)], delta, 2**14)
+    values = [pld_module.model_epsilon(sigma, q, steps, delta, anchor, guess) for sigma in (0.7484, 0.7491)]
+    assert values[1] < values[0] < values[1] * 1.01, values
+    accountant = [epsilon(sigma, q, steps, delta) for sigma in (0.7484, 0.7491)]
+    assert accountant[1] < accountant[0] < accountant[1] * 1.01, accountant
+
+
 def test_a_target_beyond_the_largest_sigma_is_refused_by_name():
     # The central limit theorem puts a target of 1e-300 (delta 1e-300) at sigma 1.6e9. The
     # accountant's secant steps from there overflowed (OverflowError, from exp of a
