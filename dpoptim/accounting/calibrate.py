@@ -106,7 +106,9 @@ def calibrate_noise(target_epsilon, delta, sample_rate, steps, accountant: str =
     The search works on log epsilon against log sigma, which is monotone: a bracket of
     evaluated points (epsilon above the target at ``low``, at most the target at
     ``high``) narrowed by the Illinois variant of regula falsi. For the PLD, the RDP answer
-    (an upper bound, so feasible) starts the bracket a few percent from the answer.
+    (an upper bound, so feasible) starts the bracket a few percent from the answer; where
+    the answer is a large sigma, the central limit theorem's sigma starts it within about
+    1% (:func:`_clt_start`). Either way only sigmas the accountant evaluated are returned.
     """
     name = _check_accountant(accountant)
     target = check_epsilon(target_epsilon, "target_epsilon", positive=True)
