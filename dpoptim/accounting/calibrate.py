@@ -202,7 +202,8 @@ def _clt_sigma(target: float, delta: float, q: float, steps: int) -> float | Non
         if high <= low * (1.0 + 1e-9):
             break
     ratio = low / q
-    return 1.0 / math.sqrt(math.log1p(ratio * ratio / steps)) if ratio > 0.0 else None
+    spread = math.log1p(ratio * ratio / steps)  # 1 / sigma^2 (0 where it underflows, inf where mu / q overflows)
+    return 1.0 / math.sqrt(spread) if spread > 0.0 else None
 
 
 def _clt_start(accountant, target: float, delta: float, q: float, steps: int) -> tuple | None:
@@ -255,7 +256,8 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
     (:func:`_linear_step`). :func:`_illinois` narrows a bracket (to :data:`_JUMP_RESOLUTION`
     at most). ``first``: ``(sigma, slope, value)``, the accountant's first point, the
     slope of the first secant step and the accountant's value there, given (the central
-    limit theorem's, :func:`_clt_sigma`): no model then. Only evaluated points are returned: the answer never overshoots."""
+    limit theorem's, :func:`_clt_sigma`): no model then. Only evaluated points are
+    returned: the answer never overshoots."""
     known: dict[float, float] = {}
 
     def accountant(sigma: float) -> float:
