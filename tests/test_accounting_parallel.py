@@ -47,9 +47,31 @@ def test_side_by_side_gives_the_same_epsilon_as_one_after_the_other(runs, monkey
 
 
 def test_both_directions_refined_side_by_side_give_the_same_epsilon(monkeypatch):
-    # Large sigma over 2e7 steps: rounding decides both directions on 2^20 points, and
-    # they nearly tie, so both are refined at once (extended precision, 0.2 to 0.3 s each).
+    # Large sigma over 2e7 steps on one grid (the stages of staged.py, which now answer
+    # there, left out): rounding decides both directions on 2^20 points, and they nearly
+    # tie, so both are refined at once (extended precision, 0.2 to 0.3 s each).
+    monkeypatch.setattr(pld_module, "_staged", lambda *args: None)
     assert_same_side_by_side(monkeypatch, [(2648.43, 2e-5, 21_417_213)], 1.19e-9, "_rounding_bound")
+
+
+def test_the_stages_side_by_side_give_the_same_epsilon(monkeypatch):
+    from dpoptim.accounting import staged
+
+    runs, delta = [(4.4, 0.033, 10**7)], 1e-8
+    fresh(monkeypatch, 1)
+    alone = pld_module.pld_epsilon(runs, delta)
+    fresh(monkeypatch, 2)
+    threads = []
+    answer = staged._staged_answer
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return answer(*args, **kwargs)
+
+    monkeypatch.setattr(staged, "_staged_answer", spy)
+    assert pld_module.pld_epsilon(runs, delta) == alone
+    assert any(name.startswith("dpoptim-accounting") for name in threads)
+    assert threading.current_thread().name in threads
 
 
 def test_max_steps_is_the_same_side_by_side(monkeypatch):

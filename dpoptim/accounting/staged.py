@@ -1,0 +1,640 @@
+r"""Composition in stages: one long run of a ``(sigma, q)`` pair on two small grids.
+
+**Why.** Connect-the-dots (Doroshenko, Ghazi, Kamath, Kumar & Manurangsi 2022) raises the
+mean of each composed loss by about :math:`h^2/8` on a grid of spacing ``h``, so after
+``T`` steps epsilon moves up by about :math:`T h^2 / 8`; the window must hold a loss
+spread over :math:`\sqrt T` times a step's. One grid for :math:`10^8` steps needs 2^20
+points and still ends a few percent high where a step's loss is wide (sigma 4.4, q 0.033:
+3,460 against a lower bound of 3,307). Here ``B`` steps are composed first on a fine grid
+``h``, the block's distribution is moved once onto a coarse grid ``H = R h``, and the
+``K = T // B`` blocks (and one of the ``T - K B`` left) are composed there. The mean
+rises by about :math:`T h^2/8 + K H^2/8`; a block's window is :math:`\sqrt{T/B}` times
+narrower than the run's, and with :math:`B = R^2 \approx \sqrt T` both grids hold a few
+ten thousand points.
+
+**Never optimistic.** ``delta(eps) = E[(1 - e^{eps - L})_+]``, losses of :math:`+\infty`
+counting fully, is a positive linear functional of the loss measure and is non-increasing
+in :math:`Y = e^{-L}` and convex in it. Composition convolves measures, i.e. multiplies
+independent :math:`Y`s. Each operation below gives a measure whose composed ``delta`` is
+at least the true one, for every epsilon (negative ones too, which further composition
+reads):
+
+1. *Raising masses pointwise* (the transform's error bound added to every entry, made
+   non-negative): convolution of non-negative measures is monotone, and so is ``delta``.
+2. *Moving mass to higher losses*, or to :math:`+\infty`: the sum of independent losses
+   then only rises (first-order stochastic dominance), and ``delta`` is non-decreasing in
+   the loss. The window is circular: mass above it (bounded by Chernoff) lands at its
+   bottom and is counted at :math:`+\infty` besides; mass below it lands at its top,
+   but read back through a positive tilt ``t`` it is multiplied by :math:`e^{-tW}`
+   (``W`` the window's width), so its Chernoff bound is counted at :math:`+\infty` too.
+3. *Connect-the-dots onto the coarse grid*: each atom at ``l`` between grid points
+   ``a < l < b`` is split between them keeping its :math:`P`-mass and its
+   :math:`E_P[Y]`, a mean-preserving spread of :math:`Y`. Conditioned on the other
+   factors, the composed ``delta`` is the expectation of a convex function of this
+   factor's :math:`Y` (a convex function of :math:`y c` for :math:`c > 0` is convex in
+   ``y``), so by Jensen's inequality it does not fall; the share sent up is rounded up,
+   which only adds move 2.
+
+The steps themselves are the dominating connect-the-dots distributions of :mod:`.pld`
+(their tails beyond ``delta / 2^18`` of the run cut: below, rounded up; above, sent to
+:math:`+\infty`). The transforms run in extended precision on exponentially tilted
+measures (tilting commutes with convolution, see :mod:`.pld`), so the error bound of
+move 1 is small where ``delta`` is read. Only the add/remove pair of one direction is
+composed here; the caller takes the larger direction and the minimum with the other
+sound bounds. Where addition's stages do not fit, a Chernoff bound on its composed loss
+(:func:`_chernoff_epsilon`) answers for it if it is below removal's answer.
+
+**Tightness.** Each stage's mean shift is kept to :data:`_SHIFT_SHARE` of the RDP guess
+and its bins to :data:`_BIN_OF_SPREAD` of the step's spread (its body's, which rare large
+losses do not widen, and its tilted one's); the tilt minimises the Chernoff bound at the
+guess, and each window is wide enough that what wraps around from above, multiplied by
+:math:`e^{tW}` when read back, costs at most ``2^-10`` of delta or of a block's mass.
+Where four times every error bound would move the answer (a tilt far steeper than where
+delta is read: tiny q, whose RDP guess can be five times epsilon), the run is composed
+again at a gentler tilt. Where the stages do not fit at all (a step whose body is far
+narrower than its tail is long, the split of :mod:`.rare`'s regime; epsilon above
+:data:`_MAX_GUESS`), the caller's one grid answers.
+
+**Floating point.** A radix-2 transform of ``n`` points errs by at most
+:math:`\log_2(n)\,\eta\,\|y\|_2` in 2-norm, :math:`\eta \approx 6.7u` (Higham 2002,
+"Accuracy and Stability of Numerical Algorithms", Theorem 24.2); :data:`_ETA` takes
+:math:`16u` and two more levels for the real transform. Spectra of measures of total
+mass at most 1 have modulus at most 1, so a power ``k`` multiplies an entry's error by at
+most :math:`e\,k` (while :math:`k \cdot` that error is below 1), and the polar power
+itself errs by at most :math:`8 k u` per entry. The inverse transform divides the
+2-norm by :math:`\sqrt n`, and an entry's error is at most the 2-norm (:func:`_fft_error`).
+Platforms whose ``longdouble`` is double precision get None (the one grid answers).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from . import pld as _pld
+
+#: Runs shorter than this are left to the one-grid composition of :mod:`.pld`.
+MIN_STEPS = 2**20
+
+#: Above this RDP guess (sigma near 0.3 over 10^8 steps) the stages' windows rarely fit,
+#: and the one grid answers quickly.
+_MAX_GUESS = 1e5
+
+#: Four times the transform's error bound may move the answer by at most this share of
+#: it, and the blocks' error bounds may multiply delta by at most one plus it...
+_ERROR_SHARE = 2.0**-10
+
+#: ... and how many times a composition is redone at a gentler tilt where it is more.
+_RETILTS = 3
+
+#: Each stage's connect-the-dots mean shift, as a share of the guessed epsilon.
+_SHIFT_SHARE = 2.0**-11
+
+#: The largest fine bin, as a share of the tilted step loss's standard deviation.
+_BIN_OF_SPREAD = 2.0**-5
+
+#: Where a step's tail is too long for the grid, bins up to 2^this times coarser are tried.
+_COARSER = 2
+
+#: The most points of either grid; beyond, the stages give way to one grid.
+_MAX_POINTS = 2**19
+
+#: The share of delta each direction lets the mass beyond a window cost (both stages).
+_WINDOW_SHARE = 2.0**-18
+
+_EXTENDED = np.longdouble
+_U = float(np.finfo(_EXTENDED).eps) / 2
+#: A transform level's relative 2-norm error (Higham's 6.7u, with room to spare).
+_ETA = 16.0 * _U
+#: Runs of this many points share their exponentials in :func:`_log_mgf`.
+_MGF_RUN = 64
+
+#: Powered spectrum entries below this are left 0 (:func:`_powered`).
+_DROPPED = 2.0**-120
+_LAMBDAS = np.concatenate([-np.geomspace(1e7, 1e-4, 45), np.geomspace(1e-4, 1e7, 45)])
+
+
+class _Plan(NamedTuple):
+    """Fine spacing ``h``, coarse spacing ``R h``, block length ``B`` and count ``K``,
+    the ``rest`` of the steps in one shorter block, and the exponential ``tilt``."""
+
+    h: float
+    R: int
+    B: int
+    K: int
+    rest: int
+    tilt: float
+
+
+class _Block(NamedTuple):
+    """A block's tilted measure on the coarse grid: entry ``i`` is at loss
+    ``(first + i) H`` and holds ``exp(log_scale) * masses[i] * e^{-tilt (first + i) H}``
+    of P-mass (at least the block's); ``p_inf`` bounds its mass at :math:`+\\infty`;
+    ``bound``: the part of ``masses`` that is the transform's error bound (moved alike)."""
+
+    first: int
+    masses: np.ndarray
+    log_scale: float
+    p_inf: float
+    bound: np.ndarray
+
+
+def staged_epsilons(sigma: float, q: float, count: int, deltas: dict, guess: float, shift: float = 0.0,
+                    min_steps: int = MIN_STEPS) -> dict | None:
+    """Each direction's epsilon (``deltas``: removal's and addition's delta) of ``count`` steps of
+    ``(sigma, q)``, composed in stages, or None where the stages do not fit (a window
+    above :data:`_MAX_POINTS`, as where rare large losses widen a block's, or no
+    extended precision). ``guess``: an upper estimate of epsilon (the RDP bound), which sizes the
+    grids; spacings are powers of two keyed by it, so that epsilon stays monotone.
+    Where addition's stages do not fit, its :func:`_chernoff_epsilon` answers if that plus
+    ``shift`` (what the caller adds to it) is at most removal's, as only the larger is
+    reported. ``min_steps``: shorter runs give None (tests use shorter ones)."""
+    if count < min_steps or not 0.0 < q < 1.0 or not 0.0 < guess <= _MAX_GUESS or _U > 1e-18:
+        return None
+    remove = _pld._REMOVE
+    removal_plan = _plan(sigma, q, count, remove, deltas[remove], guess)
+    if removal_plan is None:
+        return None  # (planned first: addition's stages are of no use without removal's)
+
+    def compose(direction: str) -> tuple[float | None, bool]:
+        plan = removal_plan if direction == remove else _plan(sigma, q, count, direction, deltas[direction], guess)
+        answer = None if plan is None else _direction_epsilon(sigma, q, count, direction, deltas[direction], plan)
+        if answer is not None or direction == _pld._REMOVE:
+            return answer, False
+        return _chernoff_epsilon(sigma, q, count, direction, deltas[direction], guess), True
+
+    answers = _pld._both_directions(compose)  # side by side where two cores are free
+    (removal, _), (addition, bound_only) = answers[_pld._REMOVE], answers[_pld._ADD]
+    if removal is None or addition is None or (bound_only and addition + shift > removal):
+        return None
+
+    return {_pld._REMOVE: removal, _pld._ADD: addition}
+
+
+def _chernoff_epsilon(sigma: float, q: float, count: int, direction: str, delta: float, guess: float) -> float | None:
+    r"""A cruder sound epsilon of one direction, for addition where its stages do not fit:
+    it need only stay below removal's. With the step's distribution on the grid of
+    :func:`_plan`'s first spacing, :math:`(1 - e^{\varepsilon - L})_+ \le c_\lambda
+    e^{\lambda (L - \varepsilon)}` for every :math:`\lambda > 0`, with
+    :math:`c_\lambda = \frac{1}{1+\lambda} (\frac{\lambda}{1+\lambda})^\lambda` its
+    maximum over the loss (the conversion of Rényi DP in Canonne, Kamath & Steinke 2020,
+    Proposition 12 form), so :math:`\delta(\varepsilon) \le p_\infty + c_\lambda
+    e^{T \log M(\lambda) - \lambda \varepsilon}` (``p_inf``: the composed mass at
+    :math:`+\infty`)."""
+    cut = _cut(delta, count)
+    h = _shift_spacing(guess, count)
+    if not _fits(sigma, q, direction, h, cut):
+        return None
+    p_inf = _step(sigma, q, direction, h, cut)[2]
+    rest = delta - -math.expm1(count * math.log1p(-p_inf)) * (1.0 + 1e-9)
+    if rest <= 0.0:
+        return None
+    up = _LAMBDAS > 0
+    lambdas = _LAMBDAS[up]
+    log_c = -np.log1p(lambdas) + lambdas * (np.log(lambdas) - np.log1p(lambdas))
+    epsilons = (count * _step_log_mgf(sigma, q, direction, h, cut)[up] + log_c - math.log(rest)) / lambdas
+    return max(0.0, float(epsilons.min()) * (1.0 + 1e-12))
+
+
+def _fits(sigma: float, q: float, direction: str, h: float, cut: float) -> bool:
+    """Whether a step's window (:func:`_step_window`) takes at most a quarter of the
+    largest grid at spacing ``h``: where rare large losses make it wider, so is a block's."""
+    lo, hi = _step_window(sigma, q, direction, h, cut)
+    return hi - lo < _MAX_POINTS // 4
+
+
+def _plan(sigma: float, q: float, count: int, direction: str, delta: float, guess: float) -> _Plan | None:
+    """Spacings for a mean shift of about :data:`_SHIFT_SHARE` of ``guess`` per stage and
+    bins at most :data:`_BIN_OF_SPREAD` of the step's standard deviation, tilted or not (the
+    variance connect-the-dots adds, up to :math:`h^2/4` a step, then stays below 0.03% of
+    the loss's own, and so does the block's on the coarse grid), ``B = R^2`` with ``R``
+    about :math:`T^{1/4}` (equal shifts and windows), and the tilt that minimises the
+    Chernoff bound at ``guess`` (where ``delta`` is read). Spacings are powers of two.
+    None where a step's support is too wide for the grids (:func:`_fits`)."""
+    h = coarsest = _shift_spacing(guess, count)
+    cut = _cut(delta, count)
+    if not _fits(sigma, q, direction, h, cut):
+        return None
+    # the body's spread first (cheap): where rare large losses set the tilted one,
+    # connect-the-dots of a body narrower than a bin adds T h E|L| of variance, not T h^2 / 4
+    h = _finer(sigma, q, direction, h, coarsest, cut, _body_deviation(_step(sigma, q, direction, h, cut)[1], h))
+    if h is None:
+        return None  # a body far narrower than the tail is long: the split of .rare's regime
+    first, masses, _ = _step(sigma, q, direction, h, cut)
+    tilt = _chernoff_tilt(_step_log_mgf(sigma, q, direction, h, cut), count, guess)
+    h = _finer(sigma, q, direction, h, coarsest, cut, _tilted_deviation(first, masses, h, tilt))
+    if h is None:
+        return None
+    R = max(2, 2 ** round(0.25 * math.log2(count)))
+    K, rest = divmod(count, R * R)
+    return _Plan(h, R, R * R, K, rest, tilt)
+
+
+def _finer(sigma: float, q: float, direction: str, h: float, coarsest: float, cut: float,
+           spread: float) -> float | None:
+    """``h``, or the power of two at most :data:`_BIN_OF_SPREAD` of ``spread`` if finer;
+    where a heavy tail does not fit at that, up to 2^:data:`_COARSER` times coarser (at
+    most ``coarsest``); None where none fits."""
+    if spread > 0.0:
+        h = min(h, 2.0 ** math.floor(math.log2(_BIN_OF_SPREAD * spread)))
+    for _ in range(_COARSER):
+        if _fits(sigma, q, direction, h, cut) or h >= coarsest:
+            break
+        h *= 2.0
+    return h if _fits(sigma, q, direction, h, cut) else None
+
+
+def _shift_spacing(guess: float, count: int) -> float:
+    """The power of two ``h`` with :math:`T h^2 / 8` at most :data:`_SHIFT_SHARE` of the
+    power of two at or below ``guess``."""
+    scale = 2.0 ** math.floor(math.log2(guess))
+    return 2.0 ** math.floor(0.5 * math.log2(8.0 * _SHIFT_SHARE * scale / count))
+
+
+def _body_deviation(masses: np.ndarray, spacing: float) -> float:
+    """The standard deviation of a normal law with the step's interquartile range: the
+    spread of its body, which a rare large loss does not widen (at most a bin where the
+    body lies within one)."""
+    cumulative = np.cumsum(masses) / float(masses.sum())
+    low, high = np.searchsorted(cumulative, [0.25, 0.75])
+    return max(int(high) - int(low), 1) * spacing / 1.349
+
+
+def _tilted_deviation(first: int, masses: np.ndarray, spacing: float, tilt: float) -> float:
+    """The standard deviation of the step's loss under its tilted measure."""
+    with np.errstate(divide="ignore"):
+        log_tilted = np.log(np.asarray(masses, dtype=float)) + tilt * (first + np.arange(masses.size)) * spacing
+    weights = np.exp(log_tilted - log_tilted.max())
+    index = np.arange(masses.size)
+    mean = float(weights @ index) / float(weights.sum())
+    return math.sqrt(max(float(weights @ (index - mean) ** 2) / float(weights.sum()), 0.0)) * spacing
+
+
+def _step_window(sigma: float, q: float, direction: str, h: float, cut: float) -> tuple[int, int]:
+    """The grid indices of a step's distribution: its support, less where the loss lies
+    beyond tails of mass ``cut`` (below, rounded up to the bottom; above, sent to
+    :math:`+\\infty` and counted in ``p_inf``)."""
+    low = math.floor(_pld._loss_floor(sigma, q, direction, cut) / h)
+    high = math.ceil(_pld._loss_cut(sigma, q, direction, cut) / h)
+    return _pld._support(sigma, q, direction, h, low, max(high, low + 1))
+
+
+def _step(sigma: float, q: float, direction: str, h: float, cut: float) -> tuple:
+    """``(first, masses, p_inf)``: the step's dominating distribution on the grid ``h``
+    (:func:`.pld._grid_distribution`) in its window (:func:`_step_window`)."""
+    return _pld._step_distribution(sigma, q, direction, h, *_step_window(sigma, q, direction, h, cut))
+
+
+@functools.lru_cache(maxsize=8)
+def _step_log_mgf(sigma: float, q: float, direction: str, h: float, cut: float) -> np.ndarray:
+    """The step's log moment generating function (finite part) at :data:`_LAMBDAS`."""
+    first, masses, _ = _step(sigma, q, direction, h, cut)
+    return _log_mgf(first, masses, h, _LAMBDAS)
+
+
+def _log_mgf(first: int, masses: np.ndarray, spacing: float, lambdas: np.ndarray) -> np.ndarray:
+    r""":math:`\log \sum_i m_i e^{\lambda (first + i) h}` for each lambda, rounded up. Long
+    arrays (a step on the fine grid: 10^5 points) take each lambda by runs of ``c`` points
+    (:func:`_run_log_mgf`), the largest power of two up to :data:`_MGF_RUN` with
+    :math:`|\lambda| c h \le 30`."""
+    masses = np.asarray(masses, dtype=float)
+    if masses.size < 16 * _MGF_RUN:
+        return _direct_log_mgf(first, masses, spacing, lambdas)
+    with np.errstate(divide="ignore"):
+        runs = np.minimum(_MGF_RUN, 2.0 ** np.floor(np.log2(30.0 / (np.abs(lambdas) * spacing))))
+    out = np.empty(lambdas.size)
+    for run in np.unique(runs):
+        chosen = runs == run
+        out[chosen] = (_run_log_mgf(first, masses, spacing, lambdas[chosen], int(run)) if run >= 2
+                       else _direct_log_mgf(first, masses, spacing, lambdas[chosen]))
+    return out
+
+
+def _direct_log_mgf(first: int, masses: np.ndarray, spacing: float, lambdas: np.ndarray) -> np.ndarray:
+    """:func:`_log_mgf`, one exponential per point and lambda."""
+    with np.errstate(divide="ignore"):
+        log_m = np.log(masses)
+    losses = (first + np.arange(log_m.size)) * spacing
+    products = lambdas[:, None] * losses[None, :]
+    terms = products + log_m[None, :]
+    peak = terms.max(axis=1)
+    # each term errs by a few units of its size, the sum of exponentials by n units
+    margin = 1e-9 + 4.0 * _pld._U * (np.abs(products).max(axis=1) + np.abs(log_m[np.isfinite(log_m)]).max())
+    return peak + np.log(np.exp(terms - peak[:, None]).sum(axis=1)) + margin
+
+
+def _run_log_mgf(first: int, masses: np.ndarray, spacing: float, lambdas: np.ndarray, c: int) -> np.ndarray:
+    r""":func:`_log_mgf` by runs of ``c`` points: :math:`\sum_r e^{\lambda \ell_r}
+    \sum_j m_{rj} e^{\lambda j h}`, the inner sums one product of the runs' masses with
+    the ``c`` by lambda factors :math:`e^{\lambda (j - a) h}` (``a`` the run's last point
+    for positive lambda, its first else: every factor lies in :math:`[e^{-30}, 1]`), so
+    ``c + n / c`` exponentials per lambda, not ``n``. A product of a mass below 1e-295
+    with a factor may underflow: at most 1e-307 each, added back at the largest loss."""
+    runs = np.concatenate([masses, np.zeros(-masses.size % c)]).reshape(-1, c)
+    anchor = np.where(lambdas > 0, c - 1, 0)
+    factors = np.exp(lambdas[None, :] * (np.arange(c)[:, None] - anchor[None, :]) * spacing)
+    inner = np.einsum("rj,jl->rl", runs, factors, optimize=False)  # (no BLAS: see pld's docs)
+    starts = (first + c * np.arange(runs.shape[0])) * spacing
+    exponents = lambdas[None, :] * (starts[:, None] + anchor[None, :] * spacing)
+    with np.errstate(divide="ignore"):
+        terms = np.log(inner) + exponents
+    peak = terms.max(axis=0)
+    total = peak + np.log(np.exp(terms - peak[None, :]).sum(axis=0))
+    extreme = np.maximum(lambdas * starts[0], lambdas * (starts[-1] + c * spacing))
+    total = np.logaddexp(total, math.log(masses.size * 1e-307) + extreme)
+    # the inner sums err by (c + 32) units, each exponent by a few units of its size
+    return total + 1e-9 + 4.0 * _pld._U * (np.abs(exponents).max(axis=0) + 32.0)
+
+
+def _window(log_mgf: np.ndarray, lambdas: np.ndarray, budget: float, spacing: float, tilt: float,
+            wrap_budget: float) -> tuple[int, int]:
+    """Grid indices ``(low, high)`` with the measure's mass below ``low`` and above ``high``
+    each at most ``budget`` by Chernoff (``log_mgf`` at ``lambdas``, of either sign), and
+    the mass above ``high`` at most ``wrap_budget`` once multiplied by ``e^{tilt W}``,
+    ``W`` the window's width: what wraps around to its bottom is multiplied by that much
+    when read back through the tilt (:func:`_mass_above`, ``e^{log M(l) - l top + t
+    (top - bottom)}``, minimised over ``l`` above the tilt)."""
+    up, down = lambdas > 0, lambdas < 0
+    bottom = float(np.max((log_mgf[down] - math.log(budget)) / lambdas[down]))
+    top = float(np.min((log_mgf[up] - math.log(budget)) / lambdas[up]))
+    steep = lambdas > tilt
+    if steep.any():
+        wrapped = (log_mgf[steep] - math.log(wrap_budget) - tilt * bottom) / (lambdas[steep] - tilt)
+        top = max(top, float(np.min(wrapped)))
+    else:
+        top = math.inf
+    if not math.isfinite(top) or top - bottom > _MAX_POINTS * spacing:
+        return 0, _MAX_POINTS + 1  # (too wide: the caller's size check refuses it)
+    return math.floor(bottom / spacing), math.ceil(top / spacing)
+
+
+def _mass_above(log_mgf: np.ndarray, lambdas: np.ndarray, edge: float) -> float:
+    """A Chernoff bound on the measure's mass at or above the loss ``edge``."""
+    up = lambdas > 0
+    return math.exp(min(0.0, float(np.min(log_mgf[up] - lambdas[up] * edge)))) * (1.0 + 1e-9)
+
+
+def _mass_below(log_mgf: np.ndarray, lambdas: np.ndarray, edge: float) -> float:
+    """A Chernoff bound on the measure's mass below the loss ``edge``: it wraps around to
+    the window's top, where read back through a positive tilt it is multiplied by
+    ``e^{-tilt W}``, so it is counted at :math:`+\\infty` in full."""
+    down = lambdas < 0
+    return math.exp(min(0.0, float(np.min(log_mgf[down] - lambdas[down] * edge)))) * (1.0 + 1e-9)
+
+
+def _fft_size(points: int) -> int | None:
+    """The power of two holding ``points`` (radix-2 error bound), None above the limit."""
+    n = 2 ** max(4, math.ceil(math.log2(max(points, 2))))
+    return n if n <= _MAX_POINTS else None
+
+
+def _fft_error(n: int, parts: list) -> float:
+    r"""A bound on every entry's error of ``irfft(prod rfft(x_j)^p_j)`` for measures
+    ``x_j`` of total mass at most 1, ``parts``: ``(p_j, b_j)`` with ``b_j`` at least
+    :math:`\|x_j\|_2` (see the module docstring). A transform's 2-norm error is at most
+    ``level`` times its result's, :math:`\sqrt n \|x_j\|_2`; the powers multiply an
+    entry's by at most :math:`e\,p_j` and their polar evaluation and products add
+    :math:`(8 e p_j + 4) u` of it; the inverse divides by :math:`\sqrt n` and adds
+    ``level`` times :math:`\|y\|_2 \le \min_j \|x_j\|_2` (Young's inequality); dropped
+    entries (:func:`_powered`) add :data:`_DROPPED` each."""
+    level = (math.log2(n) + 2.0) * _ETA
+    if sum(power * norm for power, norm in parts) * level * math.sqrt(n) > 0.1:
+        return math.inf
+    spread = sum(norm * (power * (math.e * level + 8.0 * math.e * _U) + 4.0 * _U) for power, norm in parts)
+    return spread + level * min(norm for _, norm in parts) + len(parts) * _DROPPED
+
+
+def _norm(x: np.ndarray) -> float:
+    """An upper bound on the 2-norm of ``x``."""
+    return math.sqrt(float(np.dot(x, x))) * (1.0 + 1e-9) + 1e-300
+
+
+def _powered(spectrum: np.ndarray, power: int) -> np.ndarray:
+    """``spectrum ** power`` in polar form (extended precision; the squared modulus errs
+    by at most 3u, its logarithm's half by 2.5u, within the module docstring's 8ku);
+    entries whose power is below :data:`_DROPPED` are left 0 (:func:`_fft_error`)."""
+    if power == 1:
+        return spectrum
+    squared = spectrum.real * spectrum.real + spectrum.imag * spectrum.imag
+    live = np.flatnonzero(squared > _DROPPED ** (2.0 / power))
+    out = np.zeros_like(spectrum)
+    kept = spectrum[live]
+    angle = np.arctan2(kept.imag, kept.real) * power
+    out[live] = np.exp(0.5 * power * np.log(squared[live])) * (np.cos(angle) + 1j * np.sin(angle))
+    return out
+
+
+def _direction_epsilon(sigma: float, q: float, count: int, direction: str, delta: float, plan: _Plan) -> float | None:
+    """One direction's epsilon by the two stages (None where a grid does not fit, or the
+    transform's error decides it). The tilt is chosen for the RDP guess; where epsilon
+    lies well below it (tiny q, where the guess can be five times epsilon), the
+    transform's error bound, multiplied back through that steep a tilt, can make up most
+    of delta (and the rounding itself decided it: 0.129 against 0.0354 at sigma 0.95, q
+    1.2e-6, 10^8 steps, delta 1.2e-4, tilt 1000). It is then composed again, at the tilt
+    chosen for the answer and at most a quarter of the last, up to :data:`_RETILTS` times."""
+    log_mgf = _step_log_mgf(sigma, q, direction, plan.h, _cut(delta, count))
+    for _ in range(_RETILTS + 1):
+        found = _staged_answer(sigma, q, count, direction, delta, plan)
+        if found is None or found[1]:
+            return None if found is None else found[0]
+        plan = plan._replace(tilt=min(_chernoff_tilt(log_mgf, count, found[0]), 0.25 * plan.tilt))
+    return None
+
+
+def _chernoff_tilt(step_log_mgf: np.ndarray, count: int, epsilon: float) -> float:
+    """The positive lambda of :data:`_LAMBDAS` minimising the Chernoff bound at ``epsilon``."""
+    up = _LAMBDAS > 0
+    return float(_LAMBDAS[up][int(np.argmin(count * step_log_mgf[up] - _LAMBDAS[up] * epsilon))])
+
+
+def _staged_answer(sigma: float, q: float, count: int, direction: str, delta: float,
+                   plan: _Plan) -> tuple[float, bool] | None:
+    """One direction's epsilon by the two stages at the plan's tilt, and whether the error
+    bound is small there (:func:`_composed_epsilon`)."""
+    budget, cut = delta * _WINDOW_SHARE, _cut(delta, count)
+    step = _step(sigma, q, direction, plan.h, cut)
+    log_mgf = _step_log_mgf(sigma, q, direction, plan.h, cut)
+    for R in (plan.R, plan.R // 2, plan.R // 4):  # where a block's window is too wide, shorter blocks
+        K, rest = divmod(count, R * R)
+        plan = plan._replace(R=R, B=R * R, K=K, rest=rest)
+        # (a coarse bin of a steep tilt would overflow its re-tilting factors)
+        if R < 2 or plan.tilt * R * plan.h >= 16:
+            continue
+        counts = [(plan.B, plan.K)] + ([(plan.rest, 1)] if plan.rest else [])
+        made = _blocks(step, log_mgf, plan, [length for length, _ in counts], budget / (plan.K + 1))
+        if made is not None:
+            return _composed_epsilon([(block, times) for block, (_, times) in zip(made, counts)], plan, delta, budget)
+    return None
+
+
+def _cut(delta: float, count: int) -> float:
+    """Each step's tail mass left out of its window (:func:`_step_window`)."""
+    return delta * _WINDOW_SHARE / count
+
+
+def _blocks(step: tuple, step_log_mgf: np.ndarray, plan: _Plan, lengths: list, budget: float) -> list | None:
+    """Blocks of each of ``lengths`` steps composed on the fine grid, on one window and
+    from one transform of the step, moved onto the coarse grid (moves 1 to 3 of the
+    module docstring); None where the window is too wide."""
+    first, masses, p_inf = step
+    h, tilt = plan.h, plan.tilt
+    # what wraps around from above raises a block's total: at most 2^-10 over all blocks
+    windows = [_window(length * step_log_mgf, _LAMBDAS, budget, h, tilt, _ERROR_SHARE / (plan.K + 1))
+               for length in lengths]
+    low, high = min(w[0] for w in windows), max(w[1] for w in windows)
+    n = _fft_size(max(high - low + 1, masses.size))
+    if n is None:
+        return None
+    tilted, log_norm = _tilted_step(first, masses, h, tilt)
+    placed = np.zeros(n, dtype=_EXTENDED)
+    placed[: masses.size] = tilted
+    spectrum = np.fft.rfft(placed)
+    unit_bound = _coarsened(low, np.ones(n), plan)[1]
+    made = []
+    for length in lengths:
+        log_mgf = length * step_log_mgf
+        # wrapped around: from above, counted at +inf; from below, shrunk by the tilt, also
+        outside = _mass_above(log_mgf, _LAMBDAS, (low + n) * h) + _mass_below(log_mgf, _LAMBDAS, low * h)
+        composed = np.fft.irfft(_powered(spectrum, length), n)
+        # entry m holds the loss index length * first + m, read in the window low .. low + n - 1
+        composed = np.roll(composed, (length * first - low) % n)
+        error = _fft_error(n, [(length, _norm(tilted))])
+        raised = np.maximum(composed + error, 0.0).astype(float) * (1.0 + 2.0**-50)
+        p_inf_block = -math.expm1(length * math.log1p(-p_inf)) * (1.0 + 1e-12) + outside
+        coarse_first, coarse = _coarsened(low, raised, plan)
+        made.append(_Block(coarse_first, coarse, length * log_norm, p_inf_block, unit_bound * min(error, 1.0)))
+    return made
+
+
+def _tilted_step(first: int, masses: np.ndarray, h: float, tilt: float) -> tuple[np.ndarray, float]:
+    """``(tilted, log_norm)``: the step's masses times ``e^{tilt l - log_norm}``, rounded
+    up, with ``log_norm`` such that they total at most 1 (then so does every spectrum
+    entry's modulus)."""
+    with np.errstate(divide="ignore"):
+        log_m = np.log(np.asarray(masses, dtype=float))
+    exponents = tilt * (first + np.arange(masses.size)) * h
+    log_tilted = log_m + exponents
+    # (any log_norm is exact bookkeeping: the margin only keeps the total below 1)
+    log_norm = float(np.logaddexp.reduce(log_tilted)) + 1e-9 * (1.0 + abs(float(log_tilted.max())))
+    # above the step's masses: log m + tilt l - log_norm errs by a few units of its terms
+    with np.errstate(invalid="ignore"):
+        slack = 4.0 * _pld._U * (np.abs(log_m) + np.abs(exponents) + abs(log_norm) + 2.0) + 1e-15
+    return np.nan_to_num(np.exp(log_tilted - log_norm) * (1.0 + slack), nan=0.0), log_norm
+
+
+def _coarsened(low: int, tilted: np.ndarray, plan: _Plan) -> tuple[int, np.ndarray]:
+    """Connect-the-dots from fine index ``low + i`` (tilted masses) onto the coarse grid.
+
+    An atom ``r`` fine points above coarse point ``a`` sends the share
+    :math:`(1 - e^{-r h}) / (1 - e^{-R h})` of its P-mass to ``a + 1`` (keeping
+    :math:`E_P[e^{-L}]`), rounded up; re-tilted to the coarse points, every factor is
+    rounded up."""
+    R, h, tilt = plan.R, plan.h, plan.tilt
+    offset = low % R
+    padded = np.concatenate([np.zeros(offset), tilted])
+    padded = np.concatenate([padded, np.zeros(-padded.size % R)]).reshape(-1, R)
+    r = np.arange(R)
+    up = np.minimum(1.0, -np.expm1(-r * h) / -math.expm1(-R * h) * (1.0 + 8.0 * _pld._U))
+    stay = (1.0 - up) * np.exp(-tilt * r * h) * (1.0 + 8.0 * _pld._U)
+    move = up * np.exp(tilt * (R - r) * h) * (1.0 + 8.0 * _pld._U)
+    coarse = np.zeros(padded.shape[0] + 1)
+    coarse[:-1] += (padded * stay).sum(axis=1)  # no matrix product: see the BLAS note in pld's docs
+    coarse[1:] += (padded * move).sum(axis=1)
+    return (low - offset) // R, coarse * (1.0 + 2.0 * R * _pld._U)
+
+
+def _composed_epsilon(parts: list, plan: _Plan, delta: float, budget: float) -> tuple[float, bool] | None:
+    """Epsilon of the blocks composed (``parts``: ``(block, times)``) on the coarse grid,
+    and whether the transforms' error bounds leave it be (:data:`_ERROR_SHARE`; else the
+    tilt was too steep for where delta is read)."""
+    H, tilt = plan.R * plan.h, plan.tilt
+    total_log_mgf = sum(times * _block_log_mgf(block, H, tilt, _LAMBDAS) for block, times in parts)
+    # what wraps around from above, multiplied by the tilt, may cost 2^-10 of delta
+    low, high = _window(total_log_mgf, _LAMBDAS, budget, H, tilt, delta * 2.0**-10)
+    n = _fft_size(high - low + 1)
+    if n is None:
+        return None
+    outside = _mass_above(total_log_mgf, _LAMBDAS, (low + n) * H) + _mass_below(total_log_mgf, _LAMBDAS, low * H)
+    rest = delta - outside - _infinite_mass(parts, H, tilt)
+    if rest <= 0:
+        return None
+    answer = _inverted(*_composed_profile(parts, tilt, H, low, n, 1.0), rest)
+    if answer is None:
+        return None
+    # Whether the error bounds decide the answer: with four times each it would move. (A
+    # bound's part of the profile falls off within 1/tilt above where it decides, so its
+    # share of delta at the answer says little; a block's, flat in tilted units, makes a
+    # tail far above the block's own where the tilt is steep.) Their raising of the blocks'
+    # totals above 1 multiplies delta by as much.
+    answer4 = _inverted(*_composed_profile(parts, tilt, H, low, n, 4.0), rest)
+    excess = sum(times * max(0.0, float(_block_log_mgf(block, H, tilt, np.zeros(1))[0])) for block, times in parts)
+    moved = answer4 is None or answer4 > answer + _ERROR_SHARE * abs(answer) + 1e-12
+    return answer, not moved and excess <= _ERROR_SHARE
+
+
+def _composed_profile(parts: list, tilt: float, H: float, low: int, n: int, bounds: float) -> tuple:
+    """``(log_w, losses)``: the log P-masses of the composed blocks on the window of ``n``
+    points from ``low``, each error bound taken ``bounds`` times (1: the sound answer)."""
+    spectrum, log_scale, start, norms = 1.0, 0.0, 0, []
+    for block, times in parts:
+        masses = block.masses + (bounds - 1.0) * block.bound
+        # the total rounded up past the rounding of the division and the folding below
+        total = float(masses.sum()) * (1.0 + masses.size * _pld._U + 1e-11)
+        folded = np.bincount(np.arange(masses.size) % n, masses / total, minlength=n) * (1.0 + 1e-12)
+        spectrum = spectrum * _powered(np.fft.rfft(folded.astype(_EXTENDED)), times)
+        norms.append((times, _norm(folded)))
+        log_scale += times * (block.log_scale + math.log(total))
+        start += times * block.first
+    composed = np.roll(np.fft.irfft(spectrum, n), (start - low) % n)
+    raised = np.maximum(composed + bounds * _fft_error(n, norms), 0.0).astype(float) * (1.0 + 2.0**-50)
+    losses = (low + np.arange(n)) * H
+    with np.errstate(divide="ignore"):
+        return np.log(raised) + log_scale - tilt * losses, losses
+
+
+def _block_log_mgf(block: _Block, spacing: float, tilt: float, lambdas: np.ndarray) -> np.ndarray:
+    """The log moment generating function of a block's (untilted) finite measure."""
+    return _log_mgf(block.first, block.masses, spacing, lambdas - tilt) + block.log_scale
+
+
+def _infinite_mass(parts: list, spacing: float, tilt: float) -> float:
+    r"""A bound on the composed mass at :math:`+\infty`: with finite totals :math:`F_b`
+    and masses :math:`p_b` at infinity, :math:`\prod (F_b + p_b) - \prod F_b \le \sum
+    p_b \prod \max(1, F_b + p_b)`."""
+    spread = 0.0
+    for block, times in parts:
+        log_total = float(_block_log_mgf(block, spacing, tilt, np.zeros(1))[0])
+        spread += times * max(0.0, math.log(math.exp(min(log_total, 700.0)) + block.p_inf))
+    return sum(times * block.p_inf for block, times in parts) * math.exp(min(spread, 700.0)) * (1.0 + 1e-9)
+
+
+def _inverted(log_w: np.ndarray, losses: np.ndarray, delta: float) -> float | None:
+    r"""The smallest epsilon with :math:`\sum_i w_i (1 - e^{\varepsilon - \ell_i})_+ \le`
+    ``delta`` (``w = exp(log_w)`` at ``losses``; sums rounded against the answer), or None
+    where it lies at or below the window's bottom."""
+    slack = 1e-9
+    with np.errstate(over="ignore", invalid="ignore"):
+        w = np.exp(log_w)
+
+        def profile(k: int) -> float:
+            terms = w[k + 1:] * -np.expm1(losses[k] - losses[k + 1:])
+            return float(np.nan_to_num(terms.sum(), nan=math.inf)) * (1.0 + slack)
+
+        if profile(0) <= delta:
+            return None
+        low, high = 0, losses.size - 1  # profile(low) > delta >= profile(high)
+        if profile(high) > delta:
+            return None
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if profile(mid) > delta else (low, mid)
+        s1 = float(w[high:].sum()) * (1.0 + slack)
+        s2 = float((w[high:] * np.exp(losses[high] - losses[high:])).sum()) * (1.0 - slack)  # times e^{l_high}
+    if not (math.isfinite(s1) and s2 > 0.0):
+        return None
+    epsilon = losses[high] + math.log(max(s1 - delta, 1e-300) / s2)
+    epsilon = epsilon + 1e-12 * abs(epsilon) + 1e-15
+    return max(0.0, min(max(epsilon, losses[low]), losses[high]))
