@@ -49,9 +49,9 @@ and its bins to :data:`_BIN_OF_SPREAD` of the step's spread (its body's, which r
 losses do not widen, and its tilted one's); the tilt minimises the Chernoff bound at the
 guess, and each window is wide enough that what wraps around from above, multiplied by
 :math:`e^{tW}` when read back, costs at most ``2^-10`` of delta or of a block's mass.
-Where four times every error bound would move the answer (a tilt far steeper than where
-delta is read: tiny q, whose RDP guess can be five times epsilon), the run is composed
-again at a gentler tilt. Where the stages do not fit at all (a step whose body is far
+An answer far below the guess is planned again for itself. Where four times every error
+bound would move the answer (a tilt far steeper than where delta is read: tiny q, whose
+RDP guess can be five times epsilon), or the stages do not fit (a step whose body is far
 narrower than its tail is long, the split of :mod:`.rare`'s regime; epsilon above
 :data:`_MAX_GUESS`), the caller's one grid answers.
 
@@ -75,6 +75,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import pld as _pld
+from .gaussian import gaussian_epsilon
 
 #: Runs shorter than this are left to the one-grid composition of :mod:`.pld`.
 MIN_STEPS = 2**20
@@ -84,11 +85,12 @@ MIN_STEPS = 2**20
 _MAX_GUESS = 1e5
 
 #: Four times the transform's error bound may move the answer by at most this share of
-#: it, and the blocks' error bounds may multiply delta by at most one plus it...
+#: it, and the blocks' error bounds may multiply delta by at most one plus it.
 _ERROR_SHARE = 2.0**-10
 
-#: ... and how many times a composition is redone at a gentler tilt where it is more.
-_RETILTS = 3
+
+#: Where removal's answer is below this share of the guess, it is planned again.
+_REPLAN_SHARE = 0.25
 
 #: Each stage's connect-the-dots mean shift, as a share of the guessed epsilon.
 _SHIFT_SHARE = 2.0**-11
@@ -154,6 +156,31 @@ def staged_epsilons(sigma: float, q: float, count: int, deltas: dict, guess: flo
     reported. ``min_steps``: shorter runs give None (tests use shorter ones)."""
     if count < min_steps or not 0.0 < q < 1.0 or not 0.0 < guess <= _MAX_GUESS or _U > 1e-18:
         return None
+    guess = min(guess, 2.0 * _central_limit_epsilon(sigma, q, count, min(deltas.values()))) or guess
+    found = _both_directions(sigma, q, count, deltas, guess, shift)
+    if found is None or found[_pld._REMOVE] >= _REPLAN_SHARE * guess or found[_pld._REMOVE] <= 0.0:
+        return found  # (0 is exact)
+    # Far below the guess, whose scale sized the bins (a mean shift of 2^-10 of it can be
+    # a fifth of epsilon: 1.04e-4 against a lower bound of 8.6e-5 at sigma 1.13, q 2.1e-5,
+    # 1.9e7 steps, delta 0.04): planned again for the answer, or left to the one grid.
+    guess = found[_pld._REMOVE]
+    found = _both_directions(sigma, q, count, deltas, guess, shift)
+    return found if found is not None and found[_pld._REMOVE] >= _REPLAN_SHARE * guess else None
+
+
+def _central_limit_epsilon(sigma: float, q: float, count: int, delta: float) -> float:
+    r"""Epsilon by the central limit theorem, :math:`\mu`-GDP with :math:`\mu = q
+    \sqrt{T (e^{1/\sigma^2} - 1)}` (Dong, Roth & Su 2019; Bu, Dong, Long & Su 2020): only
+    a guide. Where the RDP guess lies far above epsilon (large sigma with a tiny epsilon:
+    1.6e-3 against 1.0e-4 at sigma 3936, q 3.2e-5, 8.9e6 steps, delta 1.1e-10), twice
+    this sizes the grids and chooses the tilt instead (0 where it does not apply)."""
+    exponent = min(sigma**-2, 700.0) if sigma > 0.04 else 700.0
+    mu = q * math.sqrt(count * math.expm1(exponent))
+    return gaussian_epsilon(delta, mu) if 0.0 < mu < 50.0 else math.inf
+
+
+def _both_directions(sigma: float, q: float, count: int, deltas: dict, guess: float, shift: float) -> dict | None:
+    """:func:`staged_epsilons` planned for ``guess``."""
     remove = _pld._REMOVE
     removal_plan = _plan(sigma, q, count, remove, deltas[remove], guess)
     if removal_plan is None:
@@ -170,7 +197,6 @@ def staged_epsilons(sigma: float, q: float, count: int, deltas: dict, guess: flo
     (removal, _), (addition, bound_only) = answers[_pld._REMOVE], answers[_pld._ADD]
     if removal is None or addition is None or (bound_only and addition + shift > removal):
         return None
-
     return {_pld._REMOVE: removal, _pld._ADD: addition}
 
 
@@ -391,20 +417,25 @@ def _fft_size(points: int) -> int | None:
     return n if n <= _MAX_POINTS else None
 
 
-def _fft_error(n: int, parts: list) -> float:
+def _fft_error(n: int, parts: list, live: int | None = None) -> float:
     r"""A bound on every entry's error of ``irfft(prod rfft(x_j)^p_j)`` for measures
     ``x_j`` of total mass at most 1, ``parts``: ``(p_j, b_j)`` with ``b_j`` at least
     :math:`\|x_j\|_2` (see the module docstring). A transform's 2-norm error is at most
     ``level`` times its result's, :math:`\sqrt n \|x_j\|_2`; the powers multiply an
     entry's by at most :math:`e\,p_j` and their polar evaluation and products add
-    :math:`(8 e p_j + 4) u` of it; the inverse divides by :math:`\sqrt n` and adds
-    ``level`` times :math:`\|y\|_2 \le \min_j \|x_j\|_2` (Young's inequality); dropped
-    entries (:func:`_powered`) add :data:`_DROPPED` each."""
+    :math:`(8 e p_j + 4) u` of it. An output entry is :math:`1/n` times a sum over the
+    spectrum, so its error is at most :math:`1/n` times the spectrum's error summed over
+    the ``live`` entries kept (of the ``n / 2 + 1`` of ``rfft``; twice as many in the
+    whole spectrum), at most :math:`\sqrt{2\,live}` times its 2-norm (Cauchy-Schwarz),
+    and :data:`_DROPPED` for each factor from the entries left 0 (:func:`_powered`). The
+    inverse adds ``level`` times :math:`\|y\|_2 \le \min_j \|x_j\|_2` (Young's
+    inequality)."""
     level = (math.log2(n) + 2.0) * _ETA
     if sum(power * norm for power, norm in parts) * level * math.sqrt(n) > 0.1:
         return math.inf
+    share = 1.0 if live is None else min(1.0, math.sqrt(2.0 * (live + 1) / n))
     spread = sum(norm * (power * (math.e * level + 8.0 * math.e * _U) + 4.0 * _U) for power, norm in parts)
-    return spread + level * min(norm for _, norm in parts) + len(parts) * _DROPPED
+    return share * spread + level * min(norm for _, norm in parts) + len(parts) * _DROPPED
 
 
 def _norm(x: np.ndarray) -> float:
@@ -428,20 +459,14 @@ def _powered(spectrum: np.ndarray, power: int) -> np.ndarray:
 
 
 def _direction_epsilon(sigma: float, q: float, count: int, direction: str, delta: float, plan: _Plan) -> float | None:
-    """One direction's epsilon by the two stages (None where a grid does not fit, or the
-    transform's error decides it). The tilt is chosen for the RDP guess; where epsilon
-    lies well below it (tiny q, where the guess can be five times epsilon), the
-    transform's error bound, multiplied back through that steep a tilt, can make up most
-    of delta (and the rounding itself decided it: 0.129 against 0.0354 at sigma 0.95, q
-    1.2e-6, 10^8 steps, delta 1.2e-4, tilt 1000). It is then composed again, at the tilt
-    chosen for the answer and at most a quarter of the last, up to :data:`_RETILTS` times."""
-    log_mgf = _step_log_mgf(sigma, q, direction, plan.h, _cut(delta, count))
-    for _ in range(_RETILTS + 1):
-        found = _staged_answer(sigma, q, count, direction, delta, plan)
-        if found is None or found[1]:
-            return None if found is None else found[0]
-        plan = plan._replace(tilt=min(_chernoff_tilt(log_mgf, count, found[0]), 0.25 * plan.tilt))
-    return None
+    """One direction's epsilon by the two stages; None where a grid does not fit or the
+    transforms' error bounds decide it (:func:`_composed_epsilon`: the tilt, chosen for
+    the RDP guess, is then far steeper than where delta is read; so at sigma 0.95, q
+    1.2e-6, 10^8 steps, delta 1.2e-4, before the windows allowed for the tilt, 0.129
+    against 0.0354 at a gentler tilt; composing again at one was tried, and cost more
+    than the one grid)."""
+    found = _staged_answer(sigma, q, count, direction, delta, plan)
+    return None if found is None or not found[1] else found[0]
 
 
 def _chernoff_tilt(step_log_mgf: np.ndarray, count: int, epsilon: float) -> float:
@@ -498,10 +523,10 @@ def _blocks(step: tuple, step_log_mgf: np.ndarray, plan: _Plan, lengths: list, b
         log_mgf = length * step_log_mgf
         # wrapped around: from above, counted at +inf; from below, shrunk by the tilt, also
         outside = _mass_above(log_mgf, _LAMBDAS, (low + n) * h) + _mass_below(log_mgf, _LAMBDAS, low * h)
-        composed = np.fft.irfft(_powered(spectrum, length), n)
+        powered = _powered(spectrum, length)
         # entry m holds the loss index length * first + m, read in the window low .. low + n - 1
-        composed = np.roll(composed, (length * first - low) % n)
-        error = _fft_error(n, [(length, _norm(tilted))])
+        composed = np.roll(np.fft.irfft(powered, n), (length * first - low) % n)
+        error = _fft_error(n, [(length, _norm(tilted))], int(np.count_nonzero(powered)))
         raised = np.maximum(composed + error, 0.0).astype(float) * (1.0 + 2.0**-50)
         p_inf_block = -math.expm1(length * math.log1p(-p_inf)) * (1.0 + 1e-12) + outside
         coarse_first, coarse = _coarsened(low, raised, plan)
@@ -589,7 +614,8 @@ def _composed_profile(parts: list, tilt: float, H: float, low: int, n: int, boun
         log_scale += times * (block.log_scale + math.log(total))
         start += times * block.first
     composed = np.roll(np.fft.irfft(spectrum, n), (start - low) % n)
-    raised = np.maximum(composed + bounds * _fft_error(n, norms), 0.0).astype(float) * (1.0 + 2.0**-50)
+    error = _fft_error(n, norms, int(np.count_nonzero(spectrum)))
+    raised = np.maximum(composed + bounds * error, 0.0).astype(float) * (1.0 + 2.0**-50)
     losses = (low + np.arange(n)) * H
     with np.errstate(divide="ignore"):
         return np.log(raised) + log_scale - tilt * losses, losses
