@@ -57,6 +57,8 @@ def _ledgers():
         ("T = 10^8 (sigma 1, q 1e-3)", [(1.0, 1e-3, 10**8)], 1e-5, 0.5),
         ("T = 10^7 (sigma 1, q 1e-3)", [(1.0, 1e-3, 10**7)], 1e-5, None),
         ("T = 5x10^6 (sigma 1, q 1e-3)", [(1.0, 1e-3, 5 * 10**6)], 1e-5, None),
+        ("sigma 4.4, q 0.033, 10^8 steps, delta 4.2e-8 (one grid: +1.5%)", [(4.40371, 0.0332264, 10**8)],
+         4.23556e-08, 0.5),
         ("100-run sigma schedule (1..1.99, q 0.01)", [(1.0 + 0.01 * i, 0.01, 100) for i in range(100)], 1e-5, None),
         ("80-run q schedule (sigma 1), delta 1e-9", [(1.0, 0.001 * 1.05**i, 100) for i in range(80)], 1e-9, None),
         ("sigma 1.1, q 0.004, 10^4 steps", [(1.1, 0.004, 10_000)], 1e-5, None),
