@@ -88,7 +88,6 @@ _MAX_GUESS = 1e5
 #: it, and the blocks' error bounds may multiply delta by at most one plus it.
 _ERROR_SHARE = 2.0**-10
 
-
 #: Where removal's answer is below this share of the guess, it is planned again.
 _REPLAN_SHARE = 0.25
 
@@ -149,8 +148,10 @@ def staged_epsilons(sigma: float, q: float, count: int, deltas: dict, guess: flo
     """Each direction's epsilon (``deltas``: removal's and addition's delta) of ``count`` steps of
     ``(sigma, q)``, composed in stages, or None where the stages do not fit (a window
     above :data:`_MAX_POINTS`, as where rare large losses widen a block's, or no
-    extended precision). ``guess``: an upper estimate of epsilon (the RDP bound), which sizes the
-    grids; spacings are powers of two keyed by it, so that epsilon stays monotone.
+    extended precision). ``guess``: an upper estimate of epsilon (the RDP bound; twice
+    :func:`_central_limit_epsilon` where that is smaller), which sizes the grids and
+    chooses the tilt; spacings are powers of two keyed by it, so that epsilon stays
+    monotone.
     Where addition's stages do not fit, its :func:`_chernoff_epsilon` answers if that plus
     ``shift`` (what the caller adds to it) is at most removal's, as only the larger is
     reported. ``min_steps``: shorter runs give None (tests use shorter ones)."""
@@ -173,7 +174,8 @@ def _central_limit_epsilon(sigma: float, q: float, count: int, delta: float) -> 
     \sqrt{T (e^{1/\sigma^2} - 1)}` (Dong, Roth & Su 2019; Bu, Dong, Long & Su 2020): only
     a guide. Where the RDP guess lies far above epsilon (large sigma with a tiny epsilon:
     1.6e-3 against 1.0e-4 at sigma 3936, q 3.2e-5, 8.9e6 steps, delta 1.1e-10), twice
-    this sizes the grids and chooses the tilt instead (0 where it does not apply)."""
+    this sizes the grids and chooses the tilt instead (infinite where mu is 0 or 50 and
+    more)."""
     exponent = min(sigma**-2, 700.0) if sigma > 0.04 else 700.0
     mu = q * math.sqrt(count * math.expm1(exponent))
     return gaussian_epsilon(delta, mu) if 0.0 < mu < 50.0 else math.inf
@@ -206,8 +208,8 @@ def _chernoff_epsilon(sigma: float, q: float, count: int, direction: str, delta:
     :func:`_plan`'s first spacing, :math:`(1 - e^{\varepsilon - L})_+ \le c_\lambda
     e^{\lambda (L - \varepsilon)}` for every :math:`\lambda > 0`, with
     :math:`c_\lambda = \frac{1}{1+\lambda} (\frac{\lambda}{1+\lambda})^\lambda` its
-    maximum over the loss (the conversion of Rényi DP in Canonne, Kamath & Steinke 2020,
-    Proposition 12 form), so :math:`\delta(\varepsilon) \le p_\infty + c_\lambda
+    maximum over the loss (the constant of the conversion of Rényi DP in Canonne, Kamath &
+    Steinke 2020, Proposition 12, with order lambda + 1), so :math:`\delta(\varepsilon) \le p_\infty + c_\lambda
     e^{T \log M(\lambda) - \lambda \varepsilon}` (``p_inf``: the composed mass at
     :math:`+\infty`)."""
     cut = _cut(delta, count)
@@ -234,9 +236,9 @@ def _fits(sigma: float, q: float, direction: str, h: float, cut: float) -> bool:
 
 def _plan(sigma: float, q: float, count: int, direction: str, delta: float, guess: float) -> _Plan | None:
     """Spacings for a mean shift of about :data:`_SHIFT_SHARE` of ``guess`` per stage and
-    bins at most :data:`_BIN_OF_SPREAD` of the step's standard deviation, tilted or not (the
-    variance connect-the-dots adds, up to :math:`h^2/4` a step, then stays below 0.03% of
-    the loss's own, and so does the block's on the coarse grid), ``B = R^2`` with ``R``
+    bins at most :data:`_BIN_OF_SPREAD` of the spread of the step's body and of its tilted
+    standard deviation (the variance connect-the-dots adds, up to :math:`h^2/4` a step,
+    then stays below 0.03% of the loss's own, and so does the block's on the coarse grid), ``B = R^2`` with ``R``
     about :math:`T^{1/4}` (equal shifts and windows), and the tilt that minimises the
     Chernoff bound at ``guess`` (where ``delta`` is read). Spacings are powers of two.
     None where a step's support is too wide for the grids (:func:`_fits`)."""
