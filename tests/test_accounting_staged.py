@@ -50,7 +50,7 @@ def test_a_block_dominates_the_direct_composition_of_its_steps(sigma, q, tilt, R
     direct_losses = (length * first + np.arange(direct.size)) * h
     direct_inf = -math.expm1(length * math.log1p(-p_inf))
     plan = staged._Plan(h, R, R * R, 1, 0, tilt)
-    made = staged._blocks(step, staged._log_mgf(first, masses, h, staged._LAMBDAS), plan, [length, 1], budget)
+    made = staged._blocks(step, pld_module._log_mgf(first, masses, h, staged._LAMBDAS), plan, [length, 1], budget)
     assert made is not None
     block = made[0]
     losses, block_masses = block_measure(block, R * h, tilt)

@@ -28,7 +28,7 @@ from .ledger import (
     check_noise_multiplier,
     check_sample_rate,
 )
-from .gaussian import gaussian_delta, gaussian_epsilon
+from .gaussian import central_limit_mu, gaussian_delta, gaussian_epsilon
 from .pld import PLDAccountant, coarse_epsilon, model_epsilon, pld_epsilon, steering_epsilon
 from .rdp import DEFAULT_ORDERS, RDPAccountant, conversion_terms, ledger_rdp, rdp_subsampled_gaussian
 
@@ -176,20 +176,12 @@ def _gdp_guess(target: float, delta: float, q: float, steps: int) -> float:
     return min(max(q * math.sqrt(steps) / mu, 1e-2), 1e12)
 
 
-def _clt_mu(sigma: float, q: float, steps: int) -> float:
-    """The mu of the central limit theorem for ``steps`` subsampled Gaussian steps,
-    ``q sqrt(T (e^{1/sigma^2} - 1))`` (Dong, Roth & Su 2019, "Gaussian Differential
-    Privacy", its central limit theorem for noisy SGD; the formula as Bu, Dong, Long & Su
-    2020, "Deep Learning with Gaussian Differential Privacy", use it)."""
-    exponent = 700.0 if sigma < 0.04 else min(sigma**-2, 700.0)  # (sigma**-2 overflows below 1e-154)
-    return q * math.sqrt(steps * math.expm1(exponent))
-
-
 def _clt_sigma(target: float, delta: float, q: float, steps: int) -> float | None:
     """The sigma at which the central limit theorem puts epsilon at ``target``: the mu
     whose mu-GDP profile (:func:`~dpoptim.accounting.gaussian.gaussian_delta`) is
-    ``delta`` at ``target``, by bisection on log mu, turned into sigma by :func:`_clt_mu`.
-    A steering only: not a bound of either side. None where it has no answer."""
+    ``delta`` at ``target``, by bisection on log mu, turned into sigma by inverting
+    :func:`~dpoptim.accounting.gaussian.central_limit_mu`. A steering only: not a bound of
+    either side. None where it has no answer."""
     low, high = 1e-300, 1e300
     if not (0.0 < q < 1.0 and gaussian_delta(target, high) > delta >= gaussian_delta(target, low)):
         return None
@@ -226,7 +218,7 @@ def _clt_start(accountant, target: float, delta: float, q: float, steps: int) ->
 def _clt_slope(sigma: float, delta: float, q: float, steps: int) -> float:
     """-d log epsilon / d log sigma of the central limit theorem's epsilon at ``sigma``
     (a first slope for :func:`_finish`), clipped to 1..50 as its secant slopes are."""
-    upper, lower = (gaussian_epsilon(delta, _clt_mu(sigma * factor, q, steps)) for factor in (0.99, 1.01))
+    upper, lower = (gaussian_epsilon(delta, central_limit_mu(sigma * factor, q, steps)) for factor in (0.99, 1.01))
     if not (0.0 < lower < upper < math.inf):
         return 1.0
     return min(max(math.log(upper / lower) / math.log(1.01 / 0.99), 1.0), 50.0)

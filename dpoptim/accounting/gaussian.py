@@ -26,6 +26,7 @@ from .ledger import check_delta, check_epsilon
 from .special import binom, log_ndtr
 
 __all__ = [
+    "central_limit_mu",
     "gaussian_delta",
     "gaussian_epsilon",
     "gaussian_mu",
@@ -47,6 +48,16 @@ def gaussian_mu(runs) -> float:
             return math.inf
         total += count / (sigma * sigma)
     return math.sqrt(total)
+
+
+def central_limit_mu(sigma: float, q: float, steps: int) -> float:
+    """The mu of the central limit theorem for ``steps`` subsampled Gaussian steps,
+    ``q sqrt(T (e^{1/sigma^2} - 1))`` (Dong, Roth & Su 2019, "Gaussian Differential
+    Privacy", its central limit theorem for noisy SGD; the formula as Bu, Dong, Long & Su
+    2020, "Deep Learning with Gaussian Differential Privacy", use it). A guide only: not a
+    bound of either side."""
+    exponent = 700.0 if sigma < 0.04 else min(sigma**-2, 700.0)  # (sigma**-2 overflows below 1e-154)
+    return q * math.sqrt(steps * math.expm1(exponent))
 
 
 def gaussian_delta(epsilon: float, mu: float) -> float:

@@ -75,7 +75,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import pld as _pld
-from .gaussian import gaussian_epsilon
+from .gaussian import central_limit_mu, gaussian_epsilon
 
 #: Runs shorter than this are left to the one-grid composition of :mod:`.pld`.
 MIN_STEPS = 2**20
@@ -110,8 +110,6 @@ _EXTENDED = np.longdouble
 _U = float(np.finfo(_EXTENDED).eps) / 2
 #: A transform level's relative 2-norm error (Higham's 6.7u, with room to spare).
 _ETA = 16.0 * _U
-#: Runs of this many points share their exponentials in :func:`_log_mgf`.
-_MGF_RUN = 64
 
 #: Powered spectrum entries below this are left 0 (:func:`_powered`).
 _DROPPED = 2.0**-120
@@ -170,14 +168,12 @@ def staged_epsilons(sigma: float, q: float, count: int, deltas: dict, guess: flo
 
 
 def _central_limit_epsilon(sigma: float, q: float, count: int, delta: float) -> float:
-    r"""Epsilon by the central limit theorem, :math:`\mu`-GDP with :math:`\mu = q
-    \sqrt{T (e^{1/\sigma^2} - 1)}` (Dong, Roth & Su 2019; Bu, Dong, Long & Su 2020): only
-    a guide. Where the RDP guess lies far above epsilon (large sigma with a tiny epsilon:
+    r"""Epsilon by the central limit theorem (:func:`~.gaussian.central_limit_mu`): only a
+    guide. Where the RDP guess lies far above epsilon (large sigma with a tiny epsilon:
     1.6e-3 against 1.0e-4 at sigma 3936, q 3.2e-5, 8.9e6 steps, delta 1.1e-10), twice
     this sizes the grids and chooses the tilt instead (infinite where mu is 0 or 50 and
     more)."""
-    exponent = min(sigma**-2, 700.0) if sigma > 0.04 else 700.0
-    mu = q * math.sqrt(count * math.expm1(exponent))
+    mu = central_limit_mu(sigma, q, count)
     return gaussian_epsilon(delta, mu) if 0.0 < mu < 50.0 else math.inf
 
 
@@ -320,61 +316,7 @@ def _step(sigma: float, q: float, direction: str, h: float, cut: float) -> tuple
 def _step_log_mgf(sigma: float, q: float, direction: str, h: float, cut: float) -> np.ndarray:
     """The step's log moment generating function (finite part) at :data:`_LAMBDAS`."""
     first, masses, _ = _step(sigma, q, direction, h, cut)
-    return _log_mgf(first, masses, h, _LAMBDAS)
-
-
-def _log_mgf(first: int, masses: np.ndarray, spacing: float, lambdas: np.ndarray) -> np.ndarray:
-    r""":math:`\log \sum_i m_i e^{\lambda (first + i) h}` for each lambda, rounded up. Long
-    arrays (a step on the fine grid: 10^5 points) take each lambda by runs of ``c`` points
-    (:func:`_run_log_mgf`), the largest power of two up to :data:`_MGF_RUN` with
-    :math:`|\lambda| c h \le 30`."""
-    masses = np.asarray(masses, dtype=float)
-    if masses.size < 16 * _MGF_RUN:
-        return _direct_log_mgf(first, masses, spacing, lambdas)
-    with np.errstate(divide="ignore"):
-        runs = np.minimum(_MGF_RUN, 2.0 ** np.floor(np.log2(30.0 / (np.abs(lambdas) * spacing))))
-    out = np.empty(lambdas.size)
-    for run in np.unique(runs):
-        chosen = runs == run
-        out[chosen] = (_run_log_mgf(first, masses, spacing, lambdas[chosen], int(run)) if run >= 2
-                       else _direct_log_mgf(first, masses, spacing, lambdas[chosen]))
-    return out
-
-
-def _direct_log_mgf(first: int, masses: np.ndarray, spacing: float, lambdas: np.ndarray) -> np.ndarray:
-    """:func:`_log_mgf`, one exponential per point and lambda."""
-    with np.errstate(divide="ignore"):
-        log_m = np.log(masses)
-    losses = (first + np.arange(log_m.size)) * spacing
-    products = lambdas[:, None] * losses[None, :]
-    terms = products + log_m[None, :]
-    peak = terms.max(axis=1)
-    # each term errs by a few units of its size, the sum of exponentials by n units
-    margin = 1e-9 + 4.0 * _pld._U * (np.abs(products).max(axis=1) + np.abs(log_m[np.isfinite(log_m)]).max())
-    return peak + np.log(np.exp(terms - peak[:, None]).sum(axis=1)) + margin
-
-
-def _run_log_mgf(first: int, masses: np.ndarray, spacing: float, lambdas: np.ndarray, c: int) -> np.ndarray:
-    r""":func:`_log_mgf` by runs of ``c`` points: :math:`\sum_r e^{\lambda \ell_r}
-    \sum_j m_{rj} e^{\lambda j h}`, the inner sums one product of the runs' masses with
-    the ``c`` by lambda factors :math:`e^{\lambda (j - a) h}` (``a`` the run's last point
-    for positive lambda, its first else: every factor lies in :math:`[e^{-30}, 1]`), so
-    ``c + n / c`` exponentials per lambda, not ``n``. A product of a mass below 1e-295
-    with a factor may underflow: at most 1e-307 each, added back at the largest loss."""
-    runs = np.concatenate([masses, np.zeros(-masses.size % c)]).reshape(-1, c)
-    anchor = np.where(lambdas > 0, c - 1, 0)
-    factors = np.exp(lambdas[None, :] * (np.arange(c)[:, None] - anchor[None, :]) * spacing)
-    inner = np.einsum("rj,jl->rl", runs, factors, optimize=False)  # (no BLAS: see pld's docs)
-    starts = (first + c * np.arange(runs.shape[0])) * spacing
-    exponents = lambdas[None, :] * (starts[:, None] + anchor[None, :] * spacing)
-    with np.errstate(divide="ignore"):
-        terms = np.log(inner) + exponents
-    peak = terms.max(axis=0)
-    total = peak + np.log(np.exp(terms - peak[None, :]).sum(axis=0))
-    extreme = np.maximum(lambdas * starts[0], lambdas * (starts[-1] + c * spacing))
-    total = np.logaddexp(total, math.log(masses.size * 1e-307) + extreme)
-    # the inner sums err by (c + 32) units, each exponent by a few units of its size
-    return total + 1e-9 + 4.0 * _pld._U * (np.abs(exponents).max(axis=0) + 32.0)
+    return _pld._log_mgf(first, masses, h, _LAMBDAS)
 
 
 def _window(log_mgf: np.ndarray, lambdas: np.ndarray, budget: float, spacing: float, tilt: float,
@@ -625,7 +567,7 @@ def _composed_profile(parts: list, tilt: float, H: float, low: int, n: int, boun
 
 def _block_log_mgf(block: _Block, spacing: float, tilt: float, lambdas: np.ndarray) -> np.ndarray:
     """The log moment generating function of a block's (untilted) finite measure."""
-    return _log_mgf(block.first, block.masses, spacing, lambdas - tilt) + block.log_scale
+    return _pld._log_mgf(block.first, block.masses, spacing, lambdas - tilt) + block.log_scale
 
 
 def _infinite_mass(parts: list, spacing: float, tilt: float) -> float:
