@@ -371,15 +371,17 @@ def _fft_error(n: int, parts: list, live: int | None = None) -> float:
     spectrum, so its error is at most :math:`1/n` times the spectrum's error summed over
     the ``live`` entries kept (of the ``n / 2 + 1`` of ``rfft``; twice as many in the
     whole spectrum), at most :math:`\sqrt{2\,live}` times its 2-norm (Cauchy-Schwarz),
-    and :data:`_DROPPED` for each factor from the entries left 0 (:func:`_powered`). The
-    inverse adds ``level`` times :math:`\|y\|_2 \le \min_j \|x_j\|_2` (Young's
-    inequality)."""
+    and, from the entries left 0 (:func:`_powered`), at most :math:`e^2` times
+    :data:`_DROPPED` for each factor (a true entry's power exceeds its computed one by at
+    most a factor :math:`e^{p |d| / |x|}`, near 1 wherever that power is not far below
+    the smallest float, and the other factors' by at most ``e``). The inverse adds
+    ``level`` times :math:`\|y\|_2 \le \min_j \|x_j\|_2` (Young's inequality)."""
     level = (math.log2(n) + 2.0) * _ETA
     if sum(power * norm for power, norm in parts) * level * math.sqrt(n) > 0.1:
         return math.inf
     share = 1.0 if live is None else min(1.0, math.sqrt(2.0 * (live + 1) / n))
     spread = sum(norm * (power * (math.e * level + 8.0 * math.e * _U) + 4.0 * _U) for power, norm in parts)
-    return share * spread + level * min(norm for _, norm in parts) + len(parts) * _DROPPED
+    return share * spread + level * min(norm for _, norm in parts) + len(parts) * 8.0 * _DROPPED
 
 
 def _norm(x: np.ndarray) -> float:
