@@ -121,7 +121,7 @@ def test_the_stages_lie_between_a_rigorous_lower_bound_and_1_percent_above(sigma
     guess = pld_module._rdp_guess(((sigma, q, steps),), delta)
     found = staged.staged_epsilons(sigma, q, steps, {REMOVE: delta, ADD: delta}, guess, 0.0, min_steps=1)
     assume(found is not None)
-    reported = max(found.values())
+    reported = max(found.epsilons.values())  # settled or not, each is a sound upper bound
     lower = pld_epsilon_lower_bound([(sigma, q, steps)], delta)
     assert lower <= reported * (1 + 1e-12), (reported, lower)
     if 0.05 <= lower <= 500:
@@ -143,12 +143,14 @@ def test_addition_s_cruder_bound_answers_only_below_removal(monkeypatch):
     sigma, q, steps, delta = 0.6844316674398595, 0.07485066144312785, 1837913, 1.6183946303364354e-05
     guess = pld_module._rdp_guess(((sigma, q, steps),), delta)
     found = staged.staged_epsilons(sigma, q, steps, {REMOVE: delta, ADD: delta}, guess)
-    assert found is not None and found[ADD] < found[REMOVE]
+    assert found is not None and found.settled and found.epsilons[ADD] < found.epsilons[REMOVE]
     bound = staged._chernoff_epsilon(sigma, q, steps, ADD, delta, guess)
-    assert found[ADD] == bound
-    # ... and is refused where it is not: with shift, addition is reported above removal
-    assert staged.staged_epsilons(sigma, q, steps, {REMOVE: delta, ADD: delta}, guess,
-                                  found[REMOVE] - bound + 1.0) is None
+    assert found.epsilons[ADD] == bound
+    # ... and does not settle it where it is not: with shift, addition is reported above
+    # removal (the one grid is then composed too)
+    shifted = staged.staged_epsilons(sigma, q, steps, {REMOVE: delta, ADD: delta}, guess,
+                                     found.epsilons[REMOVE] - bound + 1.0)
+    assert shifted is not None and not shifted.settled
 
 
 def test_the_stages_are_monotone_on_fine_sweeps():
@@ -164,8 +166,18 @@ def test_the_stages_are_monotone_on_fine_sweeps():
             p[axis] = int(p[axis] * factor) if axis == "steps" else p[axis] * factor
             found = original(((p["sigma"], p["q"], p["steps"]),), {REMOVE: p["delta"], ADD: p["delta"]}, 0.0,
                              math.inf, True)
-            calls.append(found is not None)
+            calls.append(found is not None and found.settled)
             values.append(epsilon(p["sigma"], p["q"], p["steps"], p["delta"]))
         for a, b in zip(values, values[1:]):
             assert (b <= a) if falling else (b >= a), (axis, values)
     assert all(calls)
+
+
+def test_epsilon_stays_monotone_where_the_stages_stop_settling_it():
+    # q 2.1e-5 over 1.9e7 steps, delta 0.04: epsilon reaches 0 near sigma 1.1308; nearing
+    # it the stages' bins, sized for a guess above epsilon, stop settling it. Handing over
+    # to the one grid alone jumped up (9.65e-5 at sigma 1.12975, 1.17e-4 at 1.13); the
+    # smaller of the two keeps it falling.
+    values = [epsilon(float(sigma), 2.14e-05, 18798428, 0.0403) for sigma in np.linspace(1.1295, 1.1310, 7)]
+    assert all(b <= a for a, b in zip(values, values[1:])), values
+    assert values[0] > 0.0 == values[-1]

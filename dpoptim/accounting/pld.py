@@ -303,9 +303,7 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool
     bounded = tuple(Run(*step) for step in steps) if mixture else noisy
     ceiling = math.inf if lower else _other_bounds(bounded, rest_delta)
     try:
-        pld = _shifted_max(_staged(steps, deltas, shift, ceiling, grid_points is None and not (lower or mixture))
-                           or _compose_and_invert(tuple(steps), deltas, grid_points, lower, ceiling, mixture, shift,
-                                                  rare_split), shift)
+        pld = _shifted_max(_pld_answer(steps, deltas, grid_points, lower, ceiling, mixture, shift, rare_split), shift)
     except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
         pld = 0.0 if lower else math.inf  # no PLD answer here: the other bounds stand
     if lower:
@@ -313,10 +311,26 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool
     return min(pld, ceiling, _all_orders_rdp(bounded, rest_delta, min(pld, ceiling)))
 
 
-def _staged(steps: list, deltas: dict, shift: float, ceiling: float, allowed: bool) -> dict | None:
+def _pld_answer(steps: list, deltas: dict, grid_points, lower: bool, ceiling: float, mixture, shift: float,
+                rare_split: bool) -> dict:
+    """Each direction's PLD epsilon: the stages' (:func:`_staged`) where they settle it,
+    else the grid's (:func:`_compose_and_invert`), or each direction's smaller of the two
+    where the stages answered unsettled (both are sound upper bounds; taking the smaller
+    keeps epsilon continuous where the stages stop settling it)."""
+    found = _staged(steps, deltas, shift, ceiling, grid_points is None and not (lower or mixture))
+    if found is not None and found.settled:
+        return found.epsilons
+    epsilons = _compose_and_invert(tuple(steps), deltas, grid_points, lower, ceiling, mixture, shift, rare_split)
+    if found is None:
+        return epsilons
+    return {direction: min(value, found.epsilons[direction]) for direction, value in epsilons.items()}
+
+
+def _staged(steps: list, deltas: dict, shift: float, ceiling: float, allowed: bool):
     """Each direction's epsilon of one long run composed in stages (:mod:`.staged`), where
-    that applies (``allowed``: an upper bound on the grid of its own choice): on two small
-    grids it is tighter and quicker than one large grid. Not where another sound bound
+    that applies (``allowed``: an upper bound on the grid of its own choice), a
+    :class:`~dpoptim.accounting.staged.Staged`: on two small grids it is tighter and
+    quicker than one large grid. Not where another sound bound
     (``ceiling``) is below the RDP guess: the Gaussian mixture of tiny sigma, whose
     epsilon is in the hundred thousands, which the PLD rarely beats."""
     if not allowed or len(steps) != 1 or steps[0][2] < staged.MIN_STEPS:

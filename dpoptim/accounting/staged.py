@@ -141,30 +141,47 @@ class _Block(NamedTuple):
     bound: np.ndarray
 
 
+class Staged(NamedTuple):
+    """Each direction's epsilon by the stages (each a sound upper bound), and whether it
+    settles the answer; where not (the transforms' error bounds decide it, or the bins
+    were sized for a guess far above it), the caller also composes on one grid and keeps
+    each direction's smaller value, so that switching between the two is continuous."""
+
+    epsilons: dict
+    settled: bool
+
+
 def staged_epsilons(sigma: float, q: float, count: int, deltas: dict, guess: float, shift: float = 0.0,
-                    min_steps: int = MIN_STEPS) -> dict | None:
-    """Each direction's epsilon (``deltas``: removal's and addition's delta) of ``count`` steps of
-    ``(sigma, q)``, composed in stages, or None where the stages do not fit (a window
-    above :data:`_MAX_POINTS`, as where rare large losses widen a block's, or no
-    extended precision). ``guess``: an upper estimate of epsilon (the RDP bound; twice
-    :func:`_central_limit_epsilon` where that is smaller), which sizes the grids and
-    chooses the tilt; spacings are powers of two keyed by it, so that epsilon stays
-    monotone.
-    Where addition's stages do not fit, its :func:`_chernoff_epsilon` answers if that plus
-    ``shift`` (what the caller adds to it) is at most removal's, as only the larger is
-    reported. ``min_steps``: shorter runs give None (tests use shorter ones)."""
+                    min_steps: int = MIN_STEPS) -> Staged | None:
+    """Each direction's epsilon (``deltas``: removal's and addition's delta) of ``count``
+    steps of ``(sigma, q)``, composed in stages (:class:`Staged`), or None where the
+    stages do not fit (a window above :data:`_MAX_POINTS`, as where rare large losses
+    widen a block's, or no extended precision). ``guess``: an upper estimate of epsilon
+    (the RDP bound; twice :func:`_central_limit_epsilon` where that is smaller), which
+    sizes the grids and chooses the tilt; spacings are powers of two keyed by it, so that
+    epsilon stays monotone. Where addition's stages do not fit, its
+    :func:`_chernoff_epsilon` stands in, settling it if that plus ``shift`` (what the
+    caller adds to it) is at most removal's, as only the larger is reported.
+    ``min_steps``: shorter runs give None (tests use shorter ones)."""
     if count < min_steps or not 0.0 < q < 1.0 or not 0.0 < guess <= _MAX_GUESS or _U > 1e-18:
         return None
-    guess = min(guess, 2.0 * _central_limit_epsilon(sigma, q, count, min(deltas.values()))) or guess
-    found = _both_directions(sigma, q, count, deltas, guess, shift)
-    if found is None or found[_pld._REMOVE] >= _REPLAN_SHARE * guess or found[_pld._REMOVE] <= 0.0:
+    guide = min(guess, 2.0 * _central_limit_epsilon(sigma, q, count, min(deltas.values()))) or guess
+    found = _both_directions(sigma, q, count, deltas, guide, shift)
+    if found is None and guide < guess:  # (bins sized for the guide do not fit: for the guess)
+        found = _both_directions(sigma, q, count, deltas, guess, shift)
+    else:
+        guess = guide
+    removal = None if found is None else found.epsilons[_pld._REMOVE]
+    if found is None or not found.settled or removal >= _REPLAN_SHARE * guess or removal <= 0.0:
         return found  # (0 is exact)
     # Far below the guess, whose scale sized the bins (a mean shift of 2^-10 of it can be
     # a fifth of epsilon: 1.04e-4 against a lower bound of 8.6e-5 at sigma 1.13, q 2.1e-5,
-    # 1.9e7 steps, delta 0.04): planned again for the answer, or left to the one grid.
-    guess = found[_pld._REMOVE]
-    found = _both_directions(sigma, q, count, deltas, guess, shift)
-    return found if found is not None and found[_pld._REMOVE] >= _REPLAN_SHARE * guess else None
+    # 1.9e7 steps, delta 0.04): planned again for the answer; unsettled where that fails.
+    again = _both_directions(sigma, q, count, deltas, removal, shift)
+    if again is not None and again.settled and again.epsilons[_pld._REMOVE] >= _REPLAN_SHARE * removal:
+        return again
+    both = [answer for answer in (found, again) if answer is not None]
+    return Staged({d: min(answer.epsilons[d] for answer in both) for d in found.epsilons}, False)
 
 
 def _central_limit_epsilon(sigma: float, q: float, count: int, delta: float) -> float:
@@ -177,25 +194,27 @@ def _central_limit_epsilon(sigma: float, q: float, count: int, delta: float) -> 
     return gaussian_epsilon(delta, mu) if 0.0 < mu < 50.0 else math.inf
 
 
-def _both_directions(sigma: float, q: float, count: int, deltas: dict, guess: float, shift: float) -> dict | None:
+def _both_directions(sigma: float, q: float, count: int, deltas: dict, guess: float, shift: float) -> Staged | None:
     """:func:`staged_epsilons` planned for ``guess``."""
     remove = _pld._REMOVE
     removal_plan = _plan(sigma, q, count, remove, deltas[remove], guess)
     if removal_plan is None:
         return None  # (planned first: addition's stages are of no use without removal's)
 
-    def compose(direction: str) -> tuple[float | None, bool]:
+    def compose(direction: str) -> tuple:
+        """``(epsilon, precise, a bound only)``; epsilon None where nothing answers."""
         plan = removal_plan if direction == remove else _plan(sigma, q, count, direction, deltas[direction], guess)
-        answer = None if plan is None else _direction_epsilon(sigma, q, count, direction, deltas[direction], plan)
-        if answer is not None or direction == _pld._REMOVE:
-            return answer, False
-        return _chernoff_epsilon(sigma, q, count, direction, deltas[direction], guess), True
+        found = None if plan is None else _staged_answer(sigma, q, count, direction, deltas[direction], plan)
+        if found is not None or direction == remove:
+            return (None, False, False) if found is None else (*found, False)
+        return _chernoff_epsilon(sigma, q, count, direction, deltas[direction], guess), True, True
 
     answers = _pld._both_directions(compose)  # side by side where two cores are free
-    (removal, _), (addition, bound_only) = answers[_pld._REMOVE], answers[_pld._ADD]
-    if removal is None or addition is None or (bound_only and addition + shift > removal):
+    (removal, removal_precise, _), (addition, addition_precise, bound_only) = answers[remove], answers[_pld._ADD]
+    if removal is None or addition is None:
         return None
-    return {_pld._REMOVE: removal, _pld._ADD: addition}
+    settled = removal_precise and addition_precise and not (bound_only and addition + shift > removal)
+    return Staged({remove: removal, _pld._ADD: addition}, settled)
 
 
 def _chernoff_epsilon(sigma: float, q: float, count: int, direction: str, delta: float, guess: float) -> float | None:
@@ -402,17 +421,6 @@ def _powered(spectrum: np.ndarray, power: int) -> np.ndarray:
     angle = np.arctan2(kept.imag, kept.real) * power
     out[live] = np.exp(0.5 * power * np.log(squared[live])) * (np.cos(angle) + 1j * np.sin(angle))
     return out
-
-
-def _direction_epsilon(sigma: float, q: float, count: int, direction: str, delta: float, plan: _Plan) -> float | None:
-    """One direction's epsilon by the two stages; None where a grid does not fit or the
-    transforms' error bounds decide it (:func:`_composed_epsilon`: the tilt, chosen for
-    the RDP guess, is then far steeper than where delta is read; so at sigma 0.95, q
-    1.2e-6, 10^8 steps, delta 1.2e-4, before the windows allowed for the tilt, 0.129
-    against 0.0354 at a gentler tilt; composing again at one was tried, and cost more
-    than the one grid)."""
-    found = _staged_answer(sigma, q, count, direction, delta, plan)
-    return None if found is None or not found[1] else found[0]
 
 
 def _chernoff_tilt(step_log_mgf: np.ndarray, count: int, epsilon: float) -> float:
