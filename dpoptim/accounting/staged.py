@@ -51,9 +51,12 @@ guess, and each window is wide enough that what wraps around from above, multipl
 :math:`e^{tW}` when read back, costs at most ``2^-10`` of delta or of a block's mass.
 An answer far below the guess is planned again for itself. Where four times every error
 bound would move the answer (a tilt far steeper than where delta is read: tiny q, whose
-RDP guess can be five times epsilon), or the stages do not fit (a step whose body is far
-narrower than its tail is long, the split of :mod:`.rare`'s regime; epsilon above
-:data:`_MAX_GUESS`), the caller's one grid answers.
+RDP guess can be five times epsilon), or the plan for the answer does not fit, the
+answer does not settle it (:class:`Staged`): the caller composes on one grid too and
+keeps each direction's smaller value, so that epsilon stays continuous where the stages
+stop settling it. Where the stages do not fit at all (a step whose body is far narrower
+than its tail is long, the split of :mod:`.rare`'s regime; epsilon above
+:data:`_MAX_GUESS`), the caller's one grid answers alone.
 
 **Floating point.** A radix-2 transform of ``n`` points errs by at most
 :math:`\log_2(n)\,\eta\,\|y\|_2` in 2-norm, :math:`\eta \approx 6.7u` (Higham 2002,
