@@ -49,8 +49,8 @@ def test_a_block_dominates_the_direct_composition_of_its_steps(sigma, q, tilt, R
         direct = np.convolve(direct, masses)
     direct_losses = (length * first + np.arange(direct.size)) * h
     direct_inf = -math.expm1(length * math.log1p(-p_inf))
-    plan = staged._Plan(h, R, R * R, 1, 0, tilt)
-    made = staged._blocks(step, pld_module._log_mgf(first, masses, h, staged._LAMBDAS), plan, [length, 1], budget)
+    plan = staged._Plan(h, R, tilt)
+    made = staged._blocks(step, pld_module._log_mgf(first, masses, h, staged._LAMBDAS), plan, [length, 1], budget, 2)
     assert made is not None
     block = made[0]
     losses, block_masses = block_measure(block, R * h, tilt)
@@ -72,7 +72,7 @@ def test_moving_onto_the_coarse_grid_never_lowers_a_profile(seed, R, tilt, low):
     fine = rng.random(200) * (rng.random(200) < 0.5)
     fine_losses = (low + np.arange(fine.size)) * h
     tilted = fine * np.exp(tilt * fine_losses)
-    first, coarse = staged._coarsened(low, tilted, staged._Plan(h, R, R * R, 1, 0, tilt))
+    first, coarse = staged._coarsened(low, tilted, staged._Plan(h, R, tilt))
     coarse_losses = (first + np.arange(coarse.size)) * R * h
     untilted = coarse * np.exp(-tilt * coarse_losses)
     assert untilted.sum() >= fine.sum() * (1 - 1e-12)

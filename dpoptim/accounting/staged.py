@@ -120,14 +120,11 @@ _LAMBDAS = np.concatenate([-np.geomspace(1e7, 1e-4, 45), np.geomspace(1e-4, 1e7,
 
 
 class _Plan(NamedTuple):
-    """Fine spacing ``h``, coarse spacing ``R h``, block length ``B`` and count ``K``,
-    the ``rest`` of the steps in one shorter block, and the exponential ``tilt``."""
+    """Fine spacing ``h``, coarse spacing ``R h`` (blocks of ``R^2`` steps) and the
+    exponential ``tilt``."""
 
     h: float
     R: int
-    B: int
-    K: int
-    rest: int
     tilt: float
 
 
@@ -274,9 +271,7 @@ def _plan(sigma: float, q: float, count: int, direction: str, delta: float, gues
     h = _finer(sigma, q, direction, h, coarsest, cut, _tilted_deviation(first, masses, h, tilt))
     if h is None:
         return None
-    R = max(2, 2 ** round(0.25 * math.log2(count)))
-    K, rest = divmod(count, R * R)
-    return _Plan(h, R, R * R, K, rest, tilt)
+    return _Plan(h, max(2, 2 ** round(0.25 * math.log2(count))), tilt)
 
 
 def _finer(sigma: float, q: float, direction: str, h: float, coarsest: float, cut: float,
@@ -440,13 +435,13 @@ def _staged_answer(sigma: float, q: float, count: int, direction: str, delta: fl
     step = _step(sigma, q, direction, plan.h, cut)
     log_mgf = _step_log_mgf(sigma, q, direction, plan.h, cut)
     for R in (plan.R, plan.R // 2, plan.R // 4):  # where a block's window is too wide, shorter blocks
-        K, rest = divmod(count, R * R)
-        plan = plan._replace(R=R, B=R * R, K=K, rest=rest)
+        plan = plan._replace(R=R)
         # (a coarse bin of a steep tilt would overflow its re-tilting factors)
         if R < 2 or plan.tilt * R * plan.h >= 16:
             continue
-        counts = [(plan.B, plan.K)] + ([(plan.rest, 1)] if plan.rest else [])
-        made = _blocks(step, log_mgf, plan, [length for length, _ in counts], budget / (plan.K + 1))
+        K, rest = divmod(count, R * R)
+        counts = [(R * R, K)] + ([(rest, 1)] if rest else [])
+        made = _blocks(step, log_mgf, plan, [length for length, _ in counts], budget / (K + 1), K + 1)
         if made is not None:
             return _composed_epsilon([(block, times) for block, (_, times) in zip(made, counts)], plan, delta, budget)
     return None
@@ -457,14 +452,16 @@ def _cut(delta: float, count: int) -> float:
     return delta * _WINDOW_SHARE / count
 
 
-def _blocks(step: tuple, step_log_mgf: np.ndarray, plan: _Plan, lengths: list, budget: float) -> list | None:
+def _blocks(step: tuple, step_log_mgf: np.ndarray, plan: _Plan, lengths: list, budget: float,
+            pieces: int) -> list | None:
     """Blocks of each of ``lengths`` steps composed on the fine grid, on one window and
     from one transform of the step, moved onto the coarse grid (moves 1 to 3 of the
-    module docstring); None where the window is too wide."""
+    module docstring); None where the window is too wide. ``budget``: the tail mass each
+    block's window may leave out; ``pieces``: how many blocks are composed in all."""
     first, masses, p_inf = step
     h, tilt = plan.h, plan.tilt
     # what wraps around from above raises a block's total: at most 2^-10 over all blocks
-    windows = [_window(length * step_log_mgf, _LAMBDAS, budget, h, tilt, _ERROR_SHARE / (plan.K + 1))
+    windows = [_window(length * step_log_mgf, _LAMBDAS, budget, h, tilt, _ERROR_SHARE / pieces)
                for length in lengths]
     low, high = min(w[0] for w in windows), max(w[1] for w in windows)
     n = _fft_size(max(high - low + 1, masses.size))
