@@ -81,14 +81,12 @@ def test_moving_onto_the_coarse_grid_never_lowers_a_profile(seed, R, tilt, low):
 
 
 @pytest.mark.parametrize("power", [1, 7, 200])
-def test_the_transform_error_bound_holds_in_double_precision(monkeypatch, power):
-    # The bound's formula with double precision's unit round-off, against the same powers
-    # taken in extended precision (a thousand times more accurate here).
+def test_the_transform_error_bound_holds_in_double_precision(power):
+    # The bound with double precision's unit round-off (the stages' first try), against
+    # the same powers taken in extended precision (a thousand times more accurate here).
     if np.finfo(np.longdouble).eps > 1e-18:
         pytest.skip("no extended precision on this platform")
     u = float(np.finfo(np.float64).eps) / 2
-    monkeypatch.setattr(staged, "_U", u)
-    monkeypatch.setattr(staged, "_ETA", 16.0 * u)
     rng = np.random.default_rng(power)
     n = 1024
     x = np.zeros(n)
@@ -100,7 +98,7 @@ def test_the_transform_error_bound_holds_in_double_precision(monkeypatch, power)
     error = float(np.max(np.abs(computed - exact)))
     # with every entry counted, and with only the live ones (entries left 0 counted apart)
     for live in (None, int(np.count_nonzero(powered))):
-        bound = staged._fft_error(n, [(power, staged._norm(x))], live)
+        bound = staged._fft_error(n, [(power, staged._norm(x))], live, u)
         assert 0.0 < error <= bound, (error, bound, live)
 
 
@@ -181,3 +179,31 @@ def test_epsilon_stays_monotone_where_the_stages_stop_settling_it():
     values = [epsilon(float(sigma), 2.14e-05, 18798428, 0.0403) for sigma in np.linspace(1.1295, 1.1310, 7)]
     assert all(b <= a for a, b in zip(values, values[1:])), values
     assert values[0] > 0.0 == values[-1]
+
+
+@settings(max_examples=6, deadline=None)
+@given(sigma=st.floats(0.7, 8.0), q=st.floats(2e-3, 0.2), steps=st.integers(2**12, 2**15),
+       delta=st.floats(1e-12, 1e-3), direction=st.sampled_from([REMOVE, ADD]))
+def test_the_second_stage_answers_in_double_precision_only_within_its_share(sigma, q, steps, delta, direction):
+    # the same blocks composed in double and in extended precision: where double settles
+    # the answer it lies within its share of extended's, and either is sound
+    if np.finfo(np.longdouble).eps > 1e-18:
+        pytest.skip("no extended precision on this platform")
+    guess = pld_module._rdp_guess(((sigma, q, steps),), delta)
+    plan = staged._plan(sigma, q, steps, direction, delta, guess)
+    assume(plan is not None)
+    budget, cut = delta * staged._WINDOW_SHARE, staged._cut(delta, steps)
+    step = staged._step(sigma, q, direction, plan.h, cut)
+    K, rest = divmod(steps, plan.R**2)
+    counts = [(plan.R**2, K)] + ([(rest, 1)] if rest else [])
+    made = staged._blocks(step, staged._step_log_mgf(sigma, q, direction, plan.h, cut), plan,
+                          [length for length, _ in counts], budget / (K + 1), K + 1)
+    assume(made is not None)
+    parts = [(block, times) for block, (_, times) in zip(made, counts)]
+    extended = staged._composed_epsilon(parts, plan._replace(dtype=np.longdouble), delta, budget)
+    double = staged._composed_epsilon(parts, plan._replace(dtype=np.float64), delta, budget, staged._DOUBLE_SHARE)
+    assume(extended is not None and double is not None and extended[1])
+    if double[1]:
+        assert abs(double[0] - extended[0]) <= 2 * staged._DOUBLE_SHARE * extended[0] + 1e-12, (double, extended)
+    lower = pld_epsilon_lower_bound([(sigma, q, steps)], delta) if direction == REMOVE else 0.0
+    assert min(double[0], extended[0]) >= lower * (1 - 1e-12)

@@ -60,13 +60,17 @@ than its tail is long, the split of :mod:`.rare`'s regime; epsilon above
 
 **Floating point.** A radix-2 transform of ``n`` points errs by at most
 :math:`\log_2(n)\,\eta\,\|y\|_2` in 2-norm, :math:`\eta \approx 6.7u` (Higham 2002,
-"Accuracy and Stability of Numerical Algorithms", Theorem 24.2); :data:`_ETA` takes
+"Accuracy and Stability of Numerical Algorithms", Theorem 24.2); :data:`_ETA_OF_U` takes
 :math:`16u` and two more levels for the real transform. Spectra of measures of total
 mass at most 1 have modulus at most 1, so a power ``k`` multiplies an entry's error by at
 most :math:`e\,k` (while :math:`k \cdot` that error is below 1), and the polar power
 itself errs by at most :math:`8 k u` per entry. The inverse transform divides the
 2-norm by :math:`\sqrt n`, and an entry's error is at most the 2-norm (:func:`_fft_error`).
-Platforms whose ``longdouble`` is double precision get None (the one grid answers).
+The first stage runs in extended precision (its error bounds add up over every block);
+the second in double precision first, six times faster, and where four times its error
+bounds would move the answer by more than :data:`_DOUBLE_SHARE` of it, again in extended
+precision (the bound is the same with the smaller ``u``). Platforms whose ``longdouble``
+is double precision get None (the one grid answers).
 """
 
 from __future__ import annotations
@@ -91,6 +95,11 @@ _MAX_GUESS = 1e5
 #: it, and the blocks' error bounds may multiply delta by at most one plus it.
 _ERROR_SHARE = 2.0**-10
 
+#: The second stage in double precision answers where four times its error bounds move
+#: the answer by at most this share of it (an eighth of what extended precision may
+#: leave; one error bound then moves it by about 4e-5 of it at most).
+_DOUBLE_SHARE = _ERROR_SHARE / 8
+
 #: Where removal's answer is below this share of the guess, it is planned again.
 _REPLAN_SHARE = 0.25
 
@@ -111,8 +120,9 @@ _WINDOW_SHARE = 2.0**-18
 
 _EXTENDED = np.longdouble
 _U = float(np.finfo(_EXTENDED).eps) / 2
-#: A transform level's relative 2-norm error (Higham's 6.7u, with room to spare).
-_ETA = 16.0 * _U
+#: A transform level's relative 2-norm error in units of the round-off (Higham's 6.7,
+#: with room to spare).
+_ETA_OF_U = 16.0
 
 #: Powered spectrum entries below this are left 0 (:func:`_powered`).
 _DROPPED = 2.0**-120
@@ -120,12 +130,13 @@ _LAMBDAS = np.concatenate([-np.geomspace(1e7, 1e-4, 45), np.geomspace(1e-4, 1e7,
 
 
 class _Plan(NamedTuple):
-    """Fine spacing ``h``, coarse spacing ``R h`` (blocks of ``R^2`` steps) and the
-    exponential ``tilt``."""
+    """Fine spacing ``h``, coarse spacing ``R h`` (blocks of ``R^2`` steps), the
+    exponential ``tilt`` and the transforms' floating-point type."""
 
     h: float
     R: int
     tilt: float
+    dtype: type = _EXTENDED
 
 
 class _Block(NamedTuple):
@@ -378,7 +389,7 @@ def _fft_size(points: int) -> int | None:
     return n if n <= _MAX_POINTS else None
 
 
-def _fft_error(n: int, parts: list, live: int | None = None) -> float:
+def _fft_error(n: int, parts: list, live: int | None = None, u: float = _U) -> float:
     r"""A bound on every entry's error of ``irfft(prod rfft(x_j)^p_j)`` for measures
     ``x_j`` of total mass at most 1, ``parts``: ``(p_j, b_j)`` with ``b_j`` at least
     :math:`\|x_j\|_2` (see the module docstring). A transform's 2-norm error is at most
@@ -392,13 +403,19 @@ def _fft_error(n: int, parts: list, live: int | None = None) -> float:
     :data:`_DROPPED` for each factor (a true entry's power exceeds its computed one by at
     most a factor :math:`e^{p |d| / |x|}`, near 1 wherever that power is not far below
     the smallest float, and the other factors' by at most ``e``). The inverse adds
-    ``level`` times :math:`\|y\|_2 \le \min_j \|x_j\|_2` (Young's inequality)."""
-    level = (math.log2(n) + 2.0) * _ETA
+    ``level`` times :math:`\|y\|_2 \le \min_j \|x_j\|_2` (Young's inequality). ``u``: the
+    unit round-off of the transforms' type."""
+    level = (math.log2(n) + 2.0) * _ETA_OF_U * u
     if sum(power * norm for power, norm in parts) * level * math.sqrt(n) > 0.1:
         return math.inf
     share = 1.0 if live is None else min(1.0, math.sqrt(2.0 * (live + 1) / n))
-    spread = sum(norm * (power * (math.e * level + 8.0 * math.e * _U) + 4.0 * _U) for power, norm in parts)
+    spread = sum(norm * (power * (math.e * level + 8.0 * math.e * u) + 4.0 * u) for power, norm in parts)
     return share * spread + level * min(norm for _, norm in parts) + len(parts) * 8.0 * _DROPPED
+
+
+def _round_off(dtype: type) -> float:
+    """The unit round-off of a floating-point type."""
+    return float(np.finfo(dtype).eps) / 2
 
 
 def _norm(x: np.ndarray) -> float:
@@ -430,20 +447,26 @@ def _chernoff_tilt(step_log_mgf: np.ndarray, count: int, epsilon: float) -> floa
 def _staged_answer(sigma: float, q: float, count: int, direction: str, delta: float,
                    plan: _Plan) -> tuple[float, bool] | None:
     """One direction's epsilon by the two stages at the plan's tilt, and whether the error
-    bound is small there (:func:`_composed_epsilon`)."""
+    bound is small there (:func:`_composed_epsilon`); the second stage in double precision
+    where that suffices (:data:`_DOUBLE_SHARE`)."""
     budget, cut = delta * _WINDOW_SHARE, _cut(delta, count)
     step = _step(sigma, q, direction, plan.h, cut)
     log_mgf = _step_log_mgf(sigma, q, direction, plan.h, cut)
     for R in (plan.R, plan.R // 2, plan.R // 4):  # where a block's window is too wide, shorter blocks
-        plan = plan._replace(R=R)
         # (a coarse bin of a steep tilt would overflow its re-tilting factors)
         if R < 2 or plan.tilt * R * plan.h >= 16:
             continue
         K, rest = divmod(count, R * R)
         counts = [(R * R, K)] + ([(rest, 1)] if rest else [])
-        made = _blocks(step, log_mgf, plan, [length for length, _ in counts], budget / (K + 1), K + 1)
-        if made is not None:
-            return _composed_epsilon([(block, times) for block, (_, times) in zip(made, counts)], plan, delta, budget)
+        made = _blocks(step, log_mgf, plan._replace(R=R), [length for length, _ in counts], budget / (K + 1), K + 1)
+        if made is None:
+            continue
+        parts = [(block, times) for block, (_, times) in zip(made, counts)]
+        for dtype, share in ((np.float64, _DOUBLE_SHARE), (_EXTENDED, _ERROR_SHARE)):
+            found = _composed_epsilon(parts, plan._replace(R=R, dtype=dtype), delta, budget, share)
+            if found is not None and found[1]:
+                break
+        return found
     return None
 
 
@@ -525,10 +548,11 @@ def _coarsened(low: int, tilted: np.ndarray, plan: _Plan) -> tuple[int, np.ndarr
     return (low - offset) // R, coarse * (1.0 + 2.0 * R * _pld._U)
 
 
-def _composed_epsilon(parts: list, plan: _Plan, delta: float, budget: float) -> tuple[float, bool] | None:
+def _composed_epsilon(parts: list, plan: _Plan, delta: float, budget: float,
+                      share: float = _ERROR_SHARE) -> tuple[float, bool] | None:
     """Epsilon of the blocks composed (``parts``: ``(block, times)``) on the coarse grid,
-    and whether the transforms' error bounds leave it be (:data:`_ERROR_SHARE`; else the
-    tilt was too steep for where delta is read)."""
+    and whether the transforms' error bounds leave it be (``share``; else the tilt was too
+    steep for where delta is read, or the precision too low)."""
     H, tilt = plan.R * plan.h, plan.tilt
     total_log_mgf = sum(times * _block_log_mgf(block, H, tilt, _LAMBDAS) for block, times in parts)
     # what wraps around from above, multiplied by the tilt, may cost 2^-10 of delta
@@ -540,7 +564,7 @@ def _composed_epsilon(parts: list, plan: _Plan, delta: float, budget: float) -> 
     rest = delta - outside - _infinite_mass(parts, H, tilt)
     if rest <= 0:
         return None
-    answer = _inverted(*_composed_profile(parts, tilt, H, low, n, 1.0), rest)
+    answer = _inverted(*_composed_profile(parts, plan, low, n, 1.0), rest)
     if answer is None:
         return None
     # Whether the error bounds decide the answer: with four times each it would move. (A
@@ -548,27 +572,29 @@ def _composed_epsilon(parts: list, plan: _Plan, delta: float, budget: float) -> 
     # share of delta at the answer says little; a block's, flat in tilted units, makes a
     # tail far above the block's own where the tilt is steep.) Their raising of the blocks'
     # totals above 1 multiplies delta by as much.
-    answer4 = _inverted(*_composed_profile(parts, tilt, H, low, n, 4.0), rest)
+    answer4 = _inverted(*_composed_profile(parts, plan, low, n, 4.0), rest)
     excess = sum(times * max(0.0, float(_block_log_mgf(block, H, tilt, np.zeros(1))[0])) for block, times in parts)
-    moved = answer4 is None or answer4 > answer + _ERROR_SHARE * abs(answer) + 1e-12
-    return answer, not moved and excess <= _ERROR_SHARE
+    moved = answer4 is None or answer4 > answer + share * abs(answer) + 1e-12
+    return answer, not moved and excess <= share
 
 
-def _composed_profile(parts: list, tilt: float, H: float, low: int, n: int, bounds: float) -> tuple:
+def _composed_profile(parts: list, plan: _Plan, low: int, n: int, bounds: float) -> tuple:
     """``(log_w, losses)``: the log P-masses of the composed blocks on the window of ``n``
-    points from ``low``, each error bound taken ``bounds`` times (1: the sound answer)."""
+    points from ``low`` of the coarse grid, each error bound taken ``bounds`` times (1:
+    the sound answer)."""
+    H, tilt = plan.R * plan.h, plan.tilt
     spectrum, log_scale, start, norms = 1.0, 0.0, 0, []
     for block, times in parts:
         masses = block.masses + (bounds - 1.0) * block.bound
         # the total rounded up past the rounding of the division and the folding below
         total = float(masses.sum()) * (1.0 + masses.size * _pld._U + 1e-11)
         folded = np.bincount(np.arange(masses.size) % n, masses / total, minlength=n) * (1.0 + 1e-12)
-        spectrum = spectrum * _powered(np.fft.rfft(folded.astype(_EXTENDED)), times)
+        spectrum = spectrum * _powered(np.fft.rfft(folded.astype(plan.dtype)), times)
         norms.append((times, _norm(folded)))
         log_scale += times * (block.log_scale + math.log(total))
         start += times * block.first
     composed = np.roll(np.fft.irfft(spectrum, n), (start - low) % n)
-    error = _fft_error(n, norms, int(np.count_nonzero(spectrum)))
+    error = _fft_error(n, norms, int(np.count_nonzero(spectrum)), _round_off(plan.dtype))
     raised = np.maximum(composed + bounds * error, 0.0).astype(float) * (1.0 + 2.0**-50)
     losses = (low + np.arange(n)) * H
     with np.errstate(divide="ignore"):
