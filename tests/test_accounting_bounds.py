@@ -995,6 +995,18 @@ def test_calibration_near_an_epsilon_of_zero_lands_in_the_band(monkeypatch, targ
     assert sigma in calls and len(calls) <= 4, calls
 
 
+def test_calibration_near_zero_over_a_long_run_starts_at_the_central_limit_theorem(monkeypatch):
+    # q 2.1e-5 over 1.9e7 steps at delta 0.04: the coarse PLD reaches 0 at sigma 1.289, the
+    # accountant at 1.131. Stepping down from the coarse answer took 15 evaluations (2.6
+    # s); the theorem's sigma for the target lies within 2e-5 of the answer, and a bracket
+    # that narrow is searched on epsilon itself (on log epsilon it stopped short of the band).
+    calls, accountant = count_accountant_calls(monkeypatch)
+    target, delta, q, steps = 1.49e-4, 0.0403, 2.14e-5, 18798428
+    sigma = calibrate_noise(target, delta, q, steps)
+    assert target * 0.998 <= accountant([(sigma, q, steps)], delta) <= target
+    assert sigma in calls and len(calls) <= 4, calls
+
+
 def test_bracket_search_near_zero_interpolates_epsilon_itself():
     # A stand-in for epsilon near its zero: convex, a(s0 - s) + b(s0 - s)^2 below s0 and 0
     # above. From a bracket with epsilon 0 at its feasible end, the search must land in
