@@ -711,9 +711,15 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
     def refinable(direction: str) -> bool:
         return first[direction][1] and epsilons[direction] > 0.0  # an epsilon of 0 cannot be lowered
 
+    grid_values = {direction: epsilons[direction] + offsets[direction] for direction in epsilons}
+
     def refine(direction: str) -> tuple[float, bool]:
+        # below a share of the other's grid value, the other's own refinement is all but
+        # sure to stay above it: a smaller answer is not sought (the same side by side or not)
+        other = _ADD if direction == _REMOVE else _REMOVE
+        enough = _ENOUGH_SHARE * grid_values[other] - offsets[direction]
         return _rounding_bound(steps, direction, grid, deltas[direction], epsilons[direction],
-                               functools.partial(compose, direction), mixture is None, rare_split)
+                               functools.partial(compose, direction), mixture is None, rare_split, enough)
 
     # Where both are refinable and within a tenth of each other, the second is usually
     # refined too: with two cores free, both are refined side by side, and used as the
@@ -745,20 +751,26 @@ def _quick_refined(steps: tuple, direction: str, grid: _Grid, delta: float, comp
     return compose(direction, dataclasses.replace(grid, tilt=own), np.float64)[0]
 
 
+#: :func:`_compose_on` seeks no smaller split answer for a direction once it is below this
+#: share of the other's float64 grid value (addition's refinement at q 1.6e-6 over 10^8
+#: steps took 1.1 s to go from 0.84 to 0.79, where removal's was 3.81).
+_ENOUGH_SHARE = 0.25
+
 #: :func:`_compose_on` refines both directions side by side where the smaller is at least
 #: this share of the larger.
 _SIDE_BY_SIDE_SHARE = 0.9
 
 
 def _rounding_bound(steps: tuple, direction: str, grid: _Grid, delta: float, value: float, compose,
-                    plain: bool = True, rare_split: bool = True) -> tuple[float, bool]:
+                    plain: bool = True, rare_split: bool = True, enough: float = 0.0) -> tuple[float, bool]:
     """The smallest of ``value`` (float64 on ``grid``, decided by rounding) and the other
     sound answers for ``direction``: where one rare loss may decide epsilon, the split
     of :mod:`.rare`, which stands alone where rounding does not decide it; otherwise
     :func:`_refined` (``compose(grid, dtype)`` at other tilts and precisions). ``plain``:
     ``steps`` are what is composed (not mixture groups' corners), so both apply (the
-    split only with ``rare_split``). Returns the value and whether the split alone gave it."""
-    split = rare.split_epsilon(steps, direction, delta, value) if plain and rare_split else None
+    split only with ``rare_split``; ``enough``: see :func:`~dpoptim.accounting.rare.split_epsilon`).
+    Returns the value and whether the split alone gave it."""
+    split = rare.split_epsilon(steps, direction, delta, value, enough=enough) if plain and rare_split else None
     if split is not None and not split[1]:
         return min(value, split[0]), True
     own = _own_tilt(steps, direction, grid, delta) if plain else None

@@ -76,7 +76,7 @@ _LAMBDAS = np.geomspace(1e-2, 1e7, 73)
 
 def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, again: bool = True,
                   points: int = _MAX_POINTS, whole: bool = False, dtype=np.float64,
-                  strict: bool = False) -> tuple[float, bool] | None:
+                  strict: bool = False, enough: float = 0.0) -> tuple[float, bool] | None:
     """Epsilon of one direction of ``steps`` (``(sigma, q, count)`` each) by the split,
     and whether rounding decides it; None where no split applies (no rare tail, or a
     window too wide). ``guess``: an estimate of epsilon (an upper bound), which sizes the
@@ -91,7 +91,8 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, agai
     largest window; below :data:`_MAX_POINTS`, a bulk too wide for it at the spacing its
     spread asks for gives None (no coarser spacing is tried: the split would not be the
     tighter answer there, nor the cheaper). ``whole``: where no tail reaches epsilon's
-    scale, compose the steps whole on the fine grid (else None)."""
+    scale, compose the steps whole on the fine grid (else None). ``enough``: an answer
+    below it is not sized anew (the caller needs no smaller one)."""
     if not (1e-100 < guess < math.inf) or not steps:
         return None  # (below 1e-100 the grid's squared scale would underflow)
     total = sum(count for _, _, count in steps)
@@ -104,7 +105,7 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, agai
         if found is None:
             return None if strict else answer
         answer = found
-        if not (again and 0.0 < found[0] < scale):
+        if not (again and 0.0 < found[0] < scale) or found[0] < enough:
             break
         guess = found[0]
     return answer
