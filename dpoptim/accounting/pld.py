@@ -124,7 +124,7 @@ import numpy as np
 
 from .. import background
 from . import ledger as ledger_module
-from . import lowfreq, rare, staged
+from . import lowfreq, rare, staged, staged_lower
 from .gaussian import (
     gaussian_epsilon,
     gaussian_mu,
@@ -189,11 +189,17 @@ def pld_epsilon_lower_bound(runs, delta, grid_points: int | None = None, max_gro
     fine bins, and the whole ledger's bound can then fall far below its heaviest run's
     (1525 against 9082 for sigma 0.0197, q 6e-5, 1988 steps beside sigma 11.2, q 0.0027,
     4 million steps, delta 1e-11).
+
+    One run of :data:`.staged.MIN_STEPS` steps or more is also bounded in stages
+    (:func:`~dpoptim.accounting.staged_lower.staged_lower_epsilon`, the mirror of the
+    stages that report it), where one grid cannot follow each step's loss finely enough.
     """
     delta = check_delta(delta)
     grid_points = _check_grid_points(grid_points)
     runs = Ledger(runs).runs
     bound = _pld_epsilon(runs, delta, grid_points, lower=True, max_groups=_check_max_groups(max_groups))
+    if len(runs) == 1 and runs[0].count >= staged.MIN_STEPS and grid_points is None:
+        bound = max(bound, staged_lower.staged_lower_epsilon(*runs[0], delta) or 0.0)
     pairs: dict = {}
     for sigma, q, count in runs:
         if 0.0 < sigma < math.inf and count:
@@ -332,11 +338,31 @@ def _staged(steps: list, deltas: dict, shift: float, ceiling: float, allowed: bo
     :class:`~dpoptim.accounting.staged.Staged`: on two small grids it is tighter and
     quicker than one large grid. Not where another sound bound
     (``ceiling``) is below the RDP guess: the Gaussian mixture of tiny sigma, whose
-    epsilon is in the hundred thousands, which the PLD rarely beats."""
-    if not allowed or len(steps) != 1 or steps[0][2] < staged.MIN_STEPS:
+    epsilon is in the hundred thousands, which the PLD rarely beats.
+
+    Runs a little shorter than :data:`.staged.MIN_STEPS` (:data:`_BELOW_STAGES`) get the
+    stages' answer for that many steps, unsettled: it bounds fewer steps too, and the
+    caller keeps each direction's smaller value, so that epsilon does not fall where the
+    stages take over (one grid at 2^20 - 1 steps was up to 0.37% above the stages at 2^20).
+    """
+    if not allowed or len(steps) != 1 or steps[0][2] < _BELOW_STAGES * staged.MIN_STEPS:
         return None
+    sigma, q, count = steps[0]
     guess = _rdp_guess(tuple(steps), min(deltas.values()))
-    return None if ceiling < guess else staged.staged_epsilons(*steps[0], deltas, guess, shift)
+    if ceiling < guess:
+        return None
+    if count < staged.MIN_STEPS:
+        longer = ((sigma, q, staged.MIN_STEPS),)
+        found = staged.staged_epsilons(*longer[0], deltas, _rdp_guess(longer, min(deltas.values())), shift)
+        return None if found is None else staged.Staged(found.epsilons, False)
+    return staged.staged_epsilons(sigma, q, count, deltas, guess, shift)
+
+
+#: From this share of :data:`.staged.MIN_STEPS` on, :func:`_staged` bounds a run by the
+#: stages for that many steps (epsilon grows at least as the square root of the steps
+#: in all but the regimes the stages leave to one grid, so below it one grid's answer,
+#: at most a few tenths of a percent loose, is the smaller).
+_BELOW_STAGES = 0.9
 
 
 def _split_lower(steps: tuple, deltas: dict, shift: float, found: float) -> float:
@@ -1668,7 +1694,7 @@ def _bin_log_masses(sigma: float, q: float, direction: str, losses: np.ndarray) 
 
 
 def _dominated_masses(p: np.ndarray, log_q: np.ndarray, errors: np.ndarray, first: int, spacing: float,
-                      offset: float = 0.0) -> np.ndarray:
+                      offset: float = 0.0, points: int | None = None) -> np.ndarray:
     r"""P-masses at losses ``k * spacing + offset``, ``k = first .. first + p.size - 2``, of
     a pair *dominated* by the step's: a lower bound on every composed privacy profile.
 
@@ -1693,9 +1719,9 @@ def _dominated_masses(p: np.ndarray, log_q: np.ndarray, errors: np.ndarray, firs
     err by at most a relative :math:`\kappa` has a loss within :math:`2.5\kappa` of the
     computed one, so it is aimed that far above its grid point (plus a few round-offs)
     and its P-mass scaled down by as much; held sums are rounded against the answer (P
-    down, Q up). Bins that err by 10% or more are dropped.
-    """
-    size = p.size - 1
+    down, Q up). Bins that err by 10% or more are dropped. ``points``: the grid's size,
+    if not ``p.size - 1`` (outcomes that are not bins cut at it: :mod:`.staged_lower`)."""
+    size = p.size - 1 if points is None else points
     out = [0.0] * max(size, 0)
     margins = 2.5 * np.asarray(errors) + 8.0 * _U
     usable = (margins < 0.25) & (p >= _SMALLEST_MERGED) if size > 0 else np.zeros(p.size, bool)
