@@ -127,9 +127,13 @@ def test_a_body_narrower_than_a_bin_is_left_to_the_split():
 
 
 def test_addition_s_cruder_bound_answers_only_below_removal(monkeypatch):
-    # sigma 0.684, q 0.0749 over 1.8e6 steps: addition's stages do not fit; its
-    # Chernoff bound stands in, as it is below removal's answer
+    # sigma 0.684, q 0.0749 over 1.8e6 steps, addition's stages made not to fit (they
+    # did not until the second stage could move onto a coarser grid): its Chernoff bound
+    # stands in, as it is below removal's answer
     sigma, q, steps, delta = 0.6844316674398595, 0.07485066144312785, 1837913, 1.6183946303364354e-05
+    answer = staged._staged_answer
+    monkeypatch.setattr(staged, "_staged_answer",
+                        lambda *args: None if args[3] == ADD else answer(*args))
     guess = pld_module._rdp_guess(((sigma, q, steps),), delta)
     found = staged.staged_epsilons(sigma, q, steps, {REMOVE: delta, ADD: delta}, guess)
     assert found is not None and found.settled and found.epsilons[ADD] < found.epsilons[REMOVE]
@@ -207,4 +211,22 @@ def test_epsilon_does_not_fall_where_the_stages_take_over(sigma, q, delta):
     # stages' answer for 2^20 steps stands beside the grid's
     steps = [int(0.9 * staged.MIN_STEPS) - 1, int(0.9 * staged.MIN_STEPS), staged.MIN_STEPS - 1, staged.MIN_STEPS]
     values = [epsilon(sigma, q, count, delta) for count in steps]
+    assert all(b >= a for a, b in zip(values, values[1:])), values
+
+
+def test_epsilon_does_not_fall_where_the_stages_start_to_fit():
+    # sigma 1 over 10^8 steps, delta 1e-10: the stages' plan fits from q 9.9548e-5 on, and
+    # their answer there was 0.39% below one grid's at q 9.95e-5; a run the stages refuse
+    # is now also bounded by the nearest one they fit that dominates it
+    values = [epsilon(1.0, q, 10**8, 1e-10) for q in (9.9e-5, 9.95e-5, 9.954e-5, 9.955e-5)]
+    assert all(b >= a for a, b in zip(values, values[1:])), values
+
+
+def test_a_second_stage_too_wide_for_its_grid_moves_onto_a_coarser_one():
+    # q 2.6e-4 over 2.9e6 steps at delta 1.95e-12: the second stage's window needed 2
+    # points more than 2^19, and the stages refused, though just above q they answered
+    sigma, q, steps, delta = 1.11166832815286, 0.0002598738992775487, 2880158, 1.95e-12
+    guess = pld_module._rdp_guess(((sigma, q, steps),), delta)
+    assert staged.staged_epsilons(sigma, q, steps, {REMOVE: delta, ADD: delta}, guess) is not None
+    values = [epsilon(sigma, q * f, steps, delta) for f in (1 - 1e-7, 1.0, 1 + 1e-7, 1.001)]
     assert all(b >= a for a, b in zip(values, values[1:])), values

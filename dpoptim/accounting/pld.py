@@ -340,29 +340,28 @@ def _staged(steps: list, deltas: dict, shift: float, ceiling: float, allowed: bo
     (``ceiling``) is below the RDP guess: the Gaussian mixture of tiny sigma, whose
     epsilon is in the hundred thousands, which the PLD rarely beats.
 
-    Runs a little shorter than :data:`.staged.MIN_STEPS` (:data:`_BELOW_STAGES`) get the
-    stages' answer for that many steps, unsettled: it bounds fewer steps too, and the
-    caller keeps each direction's smaller value, so that epsilon does not fall where the
-    stages take over (one grid at 2^20 - 1 steps was up to 0.37% above the stages at 2^20).
+    Where the stages refuse a run (or it is a little shorter than they take), the runs
+    of :func:`.staged.dominating_runs` are composed in stages instead, unsettled: each
+    bounds this run too, and the caller keeps each direction's smaller value, so that
+    epsilon does not fall where the stages take over (one grid at 2^20 - 1 steps was up
+    to 0.37% above the stages at 2^20 steps).
     """
-    if not allowed or len(steps) != 1 or steps[0][2] < _BELOW_STAGES * staged.MIN_STEPS:
+    if not allowed or len(steps) != 1:
         return None
     sigma, q, count = steps[0]
-    guess = _rdp_guess(tuple(steps), min(deltas.values()))
+    delta = min(deltas.values())
+    guess = _rdp_guess(tuple(steps), delta)
     if ceiling < guess:
         return None
-    if count < staged.MIN_STEPS:
-        longer = ((sigma, q, staged.MIN_STEPS),)
-        found = staged.staged_epsilons(*longer[0], deltas, _rdp_guess(longer, min(deltas.values())), shift)
-        return None if found is None else staged.Staged(found.epsilons, False)
-    return staged.staged_epsilons(sigma, q, count, deltas, guess, shift)
-
-
-#: From this share of :data:`.staged.MIN_STEPS` on, :func:`_staged` bounds a run by the
-#: stages for that many steps (epsilon grows at least as the square root of the steps
-#: in all but the regimes the stages leave to one grid, so below it one grid's answer,
-#: at most a few tenths of a percent loose, is the smaller).
-_BELOW_STAGES = 0.9
+    found = staged.staged_epsilons(sigma, q, count, deltas, guess, shift)
+    if found is not None:
+        return found
+    answers = [staged.staged_epsilons(*run, deltas, _rdp_guess((run,), delta), shift)
+               for run in staged.dominating_runs(sigma, q, count, deltas)]
+    answers = [answer for answer in answers if answer is not None]
+    if not answers:
+        return None
+    return staged.Staged({d: min(answer.epsilons[d] for answer in answers) for d in deltas}, False)
 
 
 def _split_lower(steps: tuple, deltas: dict, shift: float, found: float) -> float:

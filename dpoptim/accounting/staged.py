@@ -195,6 +195,62 @@ def staged_epsilons(sigma: float, q: float, count: int, deltas: dict, guess: flo
     return Staged({d: min(answer.epsilons[d] for answer in both) for d in found.epsilons}, False)
 
 
+def dominating_runs(sigma: float, q: float, count: int, deltas: dict) -> list:
+    """Runs ``(sigma', q', count')`` near one the stages refuse (or too short for them),
+    each of which dominates it (more steps, a larger q or a smaller sigma: the run is a
+    post-processing of each), for the caller to bound it by their stages too, keeping
+    each direction's smaller value.
+
+    The stages are tighter than one grid, so where they start to fit as epsilon grows
+    (q up, sigma down, the steps past :data:`MIN_STEPS`) epsilon would fall by the
+    grid's excess (0.39% as q grew by 0.05% at sigma 1, 10^8 steps, delta 1e-10). The
+    nearest run on that side whose stages plan fits, within :data:`_NEIGHBOUR_BAND`
+    (its boundary found by bisection), bounds every run just before it: epsilon then
+    meets the stages' value continuously. Farther away epsilon has grown by more than
+    the grid's excess, and the grid's answer is the smaller."""
+    if count < MIN_STEPS:
+        return [(sigma, q, MIN_STEPS)] if count >= _NEAR_MIN_STEPS * MIN_STEPS else []
+    if _plans(sigma, q, count, deltas):
+        return []  # refused past the plan: no boundary of the plan's to meet
+    runs = []
+    top = min(q * _NEIGHBOUR_BAND, 0.5 * (1.0 + q))
+    if q < 1.0 and _plans(sigma, top, count, deltas):
+        runs.append((sigma, _boundary(lambda x: _plans(sigma, x, count, deltas), q, top), count))
+    bottom = sigma / _NEIGHBOUR_BAND
+    if _plans(bottom, q, count, deltas):
+        runs.append((_boundary(lambda x: _plans(x, q, count, deltas), sigma, bottom), q, count))
+    return runs
+
+
+#: How far :func:`dominating_runs` looks (a factor on q or sigma): epsilon grows by at
+#: least about as much, more than one grid's excess over the stages.
+_NEIGHBOUR_BAND = 1.02
+
+#: Runs from this share of :data:`MIN_STEPS` on are also bounded by that many steps.
+_NEAR_MIN_STEPS = 0.9
+
+
+def _plans(sigma: float, q: float, count: int, deltas: dict) -> bool:
+    """Whether :func:`staged_epsilons` finds a plan for removal (its first check)."""
+    delta = deltas[_pld._REMOVE]
+    guess = _pld._rdp_guess(((sigma, q, count),), min(deltas.values()))
+    if not 0.0 < guess <= _MAX_GUESS:
+        return False
+    guide = min(guess, 2.0 * _central_limit_epsilon(sigma, q, count, min(deltas.values()))) or guess
+    return any(_plan(sigma, q, count, _pld._REMOVE, delta, g) is not None for g in {guide, guess})
+
+
+def _boundary(fits, refused: float, fitting: float) -> float:
+    """A point within a part in 10^7 of where ``fits`` turns true between ``refused``
+    (false) and ``fitting`` (true), on the fitting side (geometric bisection)."""
+    for _ in range(40):
+        if abs(math.log(fitting / refused)) < 1e-7:
+            break
+        middle = math.sqrt(refused * fitting)
+        refused, fitting = (refused, middle) if fits(middle) else (middle, fitting)
+    return fitting
+
+
 def _central_limit_epsilon(sigma: float, q: float, count: int, delta: float) -> float:
     r"""Epsilon by the central limit theorem (:func:`~.gaussian.central_limit_mu`): only a
     guide. Where the RDP guess lies far above epsilon (large sigma with a tiny epsilon:
@@ -462,12 +518,35 @@ def _staged_answer(sigma: float, q: float, count: int, direction: str, delta: fl
         if made is None:
             continue
         parts = [(block, times) for block, (_, times) in zip(made, counts)]
+        return _second_stage(parts, plan._replace(R=R), delta, budget)
+    return None
+
+
+def _second_stage(parts: list, plan: _Plan, delta: float, budget: float) -> tuple[float, bool] | None:
+    """:func:`_composed_epsilon` in double precision, then in extended where that does
+    not settle it; where the window does not fit, on a grid twice or four times coarser
+    (each block moved there by connect-the-dots, move 3). Refusing there made epsilon
+    fall as q grew past where the window fits (the one grid is looser); a coarser grid
+    only loosens the stages' answer, by up to :math:`3 T h^2 / 8` and :math:`15 T h^2 / 8`."""
+    for widen in (1, 2, 4):
+        wide = plan._replace(R=plan.R * widen)
+        if wide.tilt * wide.R * wide.h >= 16:
+            return None
+        widened = parts if widen == 1 else [(_widened(block, plan, widen), times) for block, times in parts]
         for dtype, share in ((np.float64, _DOUBLE_SHARE), (_EXTENDED, _ERROR_SHARE)):
-            found = _composed_epsilon(parts, plan._replace(R=R, dtype=dtype), delta, budget, share)
+            found = _composed_epsilon(widened, wide._replace(dtype=dtype), delta, budget, share)
             if found is not None and found[1]:
                 break
-        return found
+        if found is not None:
+            return found
     return None
+
+
+def _widened(block: _Block, plan: _Plan, factor: int) -> _Block:
+    """``block`` (on the coarse grid of ``plan``) moved onto one ``factor`` times coarser."""
+    onto = _Plan(plan.R * plan.h, factor, plan.tilt)
+    first, masses = _coarsened(block.first, block.masses, onto)
+    return block._replace(first=first, masses=masses, bound=_coarsened(block.first, block.bound, onto)[1])
 
 
 def _cut(delta: float, count: int) -> float:
