@@ -220,6 +220,9 @@ def test_epsilon_does_not_fall_where_the_stages_start_to_fit():
     # is now also bounded by the nearest one they fit that dominates it
     values = [epsilon(1.0, q, 10**8, 1e-10) for q in (9.9e-5, 9.95e-5, 9.954e-5, 9.955e-5)]
     assert all(b >= a for a, b in zip(values, values[1:])), values
+    # ... and as sigma grows past where the plan stops fitting (near 1.0015 at q 9.96e-5)
+    values = [epsilon(sigma, 9.96e-5, 10**8, 1e-10) for sigma in (1.0012, 1.0016, 1.002, 1.0022)]
+    assert all(b <= a for a, b in zip(values, values[1:])), values
 
 
 def test_a_second_stage_too_wide_for_its_grid_moves_onto_a_coarser_one():
@@ -230,3 +233,29 @@ def test_a_second_stage_too_wide_for_its_grid_moves_onto_a_coarser_one():
     assert staged.staged_epsilons(sigma, q, steps, {REMOVE: delta, ADD: delta}, guess) is not None
     values = [epsilon(sigma, q * f, steps, delta) for f in (1 - 1e-7, 1.0, 1 + 1e-7, 1.001)]
     assert all(b >= a for a, b in zip(values, values[1:])), values
+
+
+@settings(max_examples=6, deadline=None)
+@given(sigma=st.floats(0.7, 12.0), q=st.floats(2e-3, 0.3), steps=st.integers(2**11, 2**14),
+       delta=st.floats(1e-12, 1e-3), widen=st.sampled_from([2, 4]))
+def test_a_second_stage_on_a_coarser_grid_stays_above_the_lower_bound(sigma, q, steps, delta, widen):
+    # made to refuse the planned coarse grid, the second stage moves the blocks onto one
+    # two or four times coarser: a mean-preserving spread, still never below the truth
+    composed, planned, widened = staged._composed_epsilon, [], []
+
+    def refusing(parts, plan, *args):
+        planned.append(plan.R) if not planned else None
+        if plan.R < planned[0] * widen:
+            return None
+        widened.append(plan.R)
+        return composed(parts, plan, *args)
+
+    staged._composed_epsilon = refusing
+    try:
+        guess = pld_module._rdp_guess(((sigma, q, steps),), delta)
+        found = staged.staged_epsilons(sigma, q, steps, {REMOVE: delta, ADD: delta}, guess, 0.0, min_steps=1)
+    finally:
+        staged._composed_epsilon = composed
+    assume(found is not None and widened)
+    lower = pld_epsilon_lower_bound([(sigma, q, steps)], delta)
+    assert max(found.epsilons.values()) >= lower * (1 - 1e-12), (found, lower)

@@ -798,6 +798,8 @@ def _rounding_bound(steps: tuple, direction: str, grid: _Grid, delta: float, val
     split = rare.split_epsilon(steps, direction, delta, value, enough=enough) if plain and rare_split else None
     if split is not None and not split[1]:
         return min(value, split[0]), True
+    if split is not None and split[0] < enough:
+        return min(value, split[0]), False  # sound, and below what the caller needs
     own = _own_tilt(steps, direction, grid, delta) if plain else None
     value = _refined(compose, grid, value, own)
     return (value if split is None else min(value, split[0])), False
