@@ -56,7 +56,10 @@ answer does not settle it (:class:`Staged`): the caller composes on one grid too
 keeps each direction's smaller value, so that epsilon stays continuous where the stages
 stop settling it. Where the stages do not fit at all (a step whose body is far narrower
 than its tail is long, the split of :mod:`.rare`'s regime; epsilon above
-:data:`_MAX_GUESS`), the caller's one grid answers alone.
+:data:`_MAX_GUESS`), the caller's one grid answers, beside the stages of the nearest run
+that dominates the one refused (:func:`dominating_runs`), so that epsilon does not fall
+where the stages start to fit. Where only the second stage's window is too wide, its
+blocks move onto a grid two or four times coarser (move 3 again).
 
 **Floating point.** A radix-2 transform of ``n`` points errs by at most
 :math:`\log_2(n)\,\eta\,\|y\|_2` in 2-norm, :math:`\eta \approx 6.7u` (Higham 2002,
