@@ -1550,3 +1550,12 @@ def test_a_loose_lower_bound_of_one_run_is_computed_again_on_a_finer_grid():
     reported = epsilon(sigma, q, steps, delta)
     lower = pld_epsilon_lower_bound([(sigma, q, steps)], delta)
     assert reported * 0.99 <= lower <= reported, (lower, reported)
+
+
+def test_the_lower_bound_of_one_run_takes_the_mixture_twin_at_tiny_sigma():
+    # sigma 0.063, q 0.6 over 10^5 steps (epsilon 7.7e6): one grid cannot follow losses
+    # that steep and bounds it by 247; the shifted mixture's lower twin is within 1%
+    sigma, q, steps, delta = 0.063, 0.6, 100_000, 4e-10
+    reported = epsilon(sigma, q, steps, delta)
+    lower = pld_epsilon_lower_bound([(sigma, q, steps)], delta)
+    assert reported * 0.99 <= lower <= reported, (lower, reported)

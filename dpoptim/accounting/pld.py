@@ -131,6 +131,7 @@ from .gaussian import (
     ledger_mixture_epsilon,
     mixture_delta_lower_bound,
     mixture_epsilon,
+    mixture_epsilon_lower_bound,
 )
 from .ledger import MAX_DISTINCT_RUNS, Accountant, Ledger, Run, check_count, check_delta, coarsen_runs, member_groups
 from .mixture import MixtureGroup, better_than_corners, mixture_groups
@@ -190,7 +191,11 @@ def pld_epsilon_lower_bound(runs, delta, grid_points: int | None = None, max_gro
     (1525 against 9082 for sigma 0.0197, q 6e-5, 1988 steps beside sigma 11.2, q 0.0027,
     4 million steps, delta 1e-11).
 
-    One run of :data:`.staged.MIN_STEPS` steps or more is also bounded in stages
+    One run is also bounded by the shifted Gaussian mixture's lower twin
+    (:func:`~dpoptim.accounting.gaussian.mixture_epsilon_lower_bound`, tight for tiny
+    sigma, where one grid cannot follow losses that steep: sigma 0.063, q 0.60, 433,147
+    steps, delta 4.2e-10, 249 on the grid, 3.25e7 by the twin, against the reported
+    3.28e7). One run of :data:`.staged.MIN_STEPS` steps or more is also bounded in stages
     (:func:`~dpoptim.accounting.staged_lower.staged_lower_epsilon`, the mirror of the
     stages that report it), where one grid cannot follow each step's loss finely enough.
     Where one run's bound is still more than 1% below the reported epsilon, it is also
@@ -204,10 +209,7 @@ def pld_epsilon_lower_bound(runs, delta, grid_points: int | None = None, max_gro
     runs = Ledger(runs).runs
     bound = _pld_epsilon(runs, delta, grid_points, lower=True, max_groups=_check_max_groups(max_groups))
     if len(runs) == 1 and grid_points is None:
-        if runs[0].count >= staged.MIN_STEPS:
-            bound = max(bound, staged_lower.staged_lower_epsilon(*runs[0], delta) or 0.0)
-        if bound < _LOOSE_SHARE * _pld_epsilon(runs, delta, None):
-            bound = max(bound, _pld_epsilon(runs, delta, _LOOSE_GRID, lower=True))
+        bound = _one_run_lower(runs[0], delta, bound)
     pairs: dict = {}
     for sigma, q, count in runs:
         if 0.0 < sigma < math.inf and count:
@@ -218,6 +220,19 @@ def pld_epsilon_lower_bound(runs, delta, grid_points: int | None = None, max_gro
         heaviest = sorted(ceilings, key=ceilings.get, reverse=True)
         if ceilings[heaviest[0]] > bound:  # else its exact epsilon, at most its RDP bound, cannot help
             bound = max(bound, _heaviest_runs_bound(heaviest, pairs, delta, grid_points))
+    return bound
+
+
+def _one_run_lower(run: Run, delta: float, bound: float) -> float:
+    """The larger of ``bound`` (one grid's, for the single ``run``) and the other lower
+    bounds of one run (see :func:`pld_epsilon_lower_bound`)."""
+    sigma, q, count = run
+    if 0.0 < sigma < math.inf and 0.0 < q < 1.0:
+        bound = max(bound, mixture_epsilon_lower_bound(sigma, q, count, delta))
+    if count >= staged.MIN_STEPS:
+        bound = max(bound, staged_lower.staged_lower_epsilon(sigma, q, count, delta) or 0.0)
+    if bound < _LOOSE_SHARE * _pld_epsilon((run,), delta, None):
+        bound = max(bound, _pld_epsilon((run,), delta, _LOOSE_GRID, lower=True))
     return bound
 
 
@@ -238,6 +253,8 @@ def _heaviest_runs_bound(heaviest: list, pairs: dict, delta: float, grid_points:
     for size in range(1, min(_SUB_LEDGER_RUNS, len(heaviest) - 1) + 1):
         runs = tuple(Run(*pair, pairs[pair]) for pair in heaviest[:size])
         found = _pld_epsilon(runs, delta, grid_points, lower=True)
+        if size == 1 and grid_points is None:
+            found = _one_run_lower(runs[0], delta, found)
         if not found > best:
             break
         best = found
