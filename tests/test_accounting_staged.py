@@ -113,7 +113,7 @@ def test_the_stages_lie_between_a_rigorous_lower_bound_and_1_percent_above(sigma
     reported = max(found.epsilons.values())  # settled or not, each is a sound upper bound
     lower = pld_epsilon_lower_bound([(sigma, q, steps)], delta)
     assert lower <= reported * (1 + 1e-12), (reported, lower)
-    if 0.05 <= lower <= 500:
+    if 0.05 <= lower <= 500 and found.settled:  # (unsettled, the one grid is kept beside)
         assert reported <= lower * 1.01, (reported, lower)
 
 

@@ -593,20 +593,22 @@ def _blocks(step: tuple, step_log_mgf: np.ndarray, plan: _Plan, lengths: list, b
     return made
 
 
-def _tilted_step(first: int, masses: np.ndarray, h: float, tilt: float) -> tuple[np.ndarray, float]:
-    """``(tilted, log_norm)``: the step's masses times ``e^{tilt l - log_norm}``, rounded
-    up, with ``log_norm`` such that they total at most 1 (then so does every spectrum
+def _tilted_step(first: int, masses: np.ndarray, h: float, tilt: float, offset: float = 0.0,
+                 up: bool = True) -> tuple[np.ndarray, float]:
+    """``(tilted, log_norm)``: masses at losses ``(first + k) h + offset`` times
+    ``e^{tilt l - log_norm}``, rounded up (``up``; else down, for :mod:`.staged_lower`),
+    with ``log_norm`` such that they total at most 1 (then so does every spectrum
     entry's modulus)."""
     with np.errstate(divide="ignore"):
         log_m = np.log(np.asarray(masses, dtype=float))
-    exponents = tilt * (first + np.arange(masses.size)) * h
+    exponents = tilt * ((first + np.arange(masses.size)) * h + offset)
     log_tilted = log_m + exponents
     # (any log_norm is exact bookkeeping: the margin only keeps the total below 1)
     log_norm = float(np.logaddexp.reduce(log_tilted)) + 1e-9 * (1.0 + abs(float(log_tilted.max())))
-    # above the step's masses: log m + tilt l - log_norm errs by a few units of its terms
+    # log m + tilt l - log_norm errs by a few units of its terms
     with np.errstate(invalid="ignore"):
         slack = 4.0 * _pld._U * (np.abs(log_m) + np.abs(exponents) + abs(log_norm) + 2.0) + 1e-15
-    return np.nan_to_num(np.exp(log_tilted - log_norm) * (1.0 + slack), nan=0.0), log_norm
+        return np.nan_to_num(np.exp(log_tilted - log_norm) * (1.0 + (slack if up else -slack)), nan=0.0), log_norm
 
 
 def _coarsened(low: int, tilted: np.ndarray, plan: _Plan) -> tuple[int, np.ndarray]:
