@@ -28,7 +28,7 @@ from dpoptim.accounting.ledger import coarsen_runs, member_groups
 from dpoptim.accounting.mixture import LEVELS as MIXTURE_LEVELS
 from dpoptim.accounting.mixture import mixture_group, mixture_groups, rate_weights, sigma_weights
 from dpoptim.accounting import pld as pld_module
-from dpoptim.accounting import rare
+from dpoptim.accounting import rare, rare_lower
 from dpoptim.accounting.pld import pld_epsilon, pld_epsilon_lower_bound
 
 DELTA = 1e-5
@@ -450,7 +450,7 @@ def test_where_one_rare_loss_decides_the_split_brackets_it(sigma):
     # its lower twin merges each step's small losses into one outcome (data processing).
     runs = ((sigma, 1e-6, 10**6),)
     upper = epsilon_of_ledger(runs, 1e-12)
-    lower = max(rare.split_lower_bound(runs, d, 1e-12, upper) for d in ("remove", "add"))
+    lower = max(rare_lower.split_lower_bound(runs, d, 1e-12, upper) for d in ("remove", "add"))
     assert_bracketed(upper, lower, rel=0.006)
 
 
@@ -485,7 +485,7 @@ def test_one_step_split_against_the_exact_profile(sigma, q):
         value, rounding = found
         assert one_step_profile(sigma, q, direction, value) <= delta * (1 + 1e-6)
         assert rounding or value == 0.0 or one_step_profile(sigma, q, direction, value / 1.005) > delta
-        lower = rare.split_lower_bound(((sigma, q, 1),), direction, delta, value)
+        lower = rare_lower.split_lower_bound(((sigma, q, 1),), direction, delta, value)
         assert lower == 0.0 or one_step_profile(sigma, q, direction, lower) >= delta * (1 - 1e-6)
 
 
@@ -493,7 +493,7 @@ def test_the_split_of_a_ledger_of_two_runs_is_bracketed():
     # Each run's tail is read against the bulks of all the other steps.
     runs = ((0.6, 1e-6, 400_000), (0.65, 2e-6, 600_000))
     upper = epsilon_of_ledger(runs, 1e-12)
-    lower = max(rare.split_lower_bound(runs, d, 1e-12, upper) for d in ("remove", "add"))
+    lower = max(rare_lower.split_lower_bound(runs, d, 1e-12, upper) for d in ("remove", "add"))
     assert_bracketed(upper, lower, rel=0.01)
 
 

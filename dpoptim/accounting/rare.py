@@ -36,13 +36,7 @@ epsilon read off it is never below the truth. The bulk's own grid is finer than 
 accountant's: connect-the-dots spreads a loss far smaller than a bin over the bin,
 adding about ``h`` times the mean absolute loss of the bulk to the composed variance.
 
-**Lower bound** (:func:`split_lower_bound`). Merging every outcome whose loss is at most
-``a`` into one outcome is a post-processing, so the merged pair's profile is at most the
-true one (data processing). Its bulk is then a point mass at the exact merged loss
-:math:`\log(P(L \le a) / Q(L \le a))`, and the two kept terms need no transform at all:
-a point mass, and one step's tail shifted by the other steps' merged losses. Dropping
-the terms beyond and rounding the tail's losses down only lowers the profile. What the
-merge gives up is the bulk's spread, small where this bound is meant to serve.
+Lower bounds on the same split are in :mod:`.rare_lower`.
 """
 
 from __future__ import annotations
@@ -99,8 +93,7 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, agai
     answer = None
     for _ in range(8):
         scale = 2.0 ** math.floor(math.log2(guess))  # the cache key holds the guess to within a factor of 2
-        # at most 2^-10 of the scale, and a mean shift of connect-the-dots, T h^2 / 8, at most 10^-3 of it
-        finest = min(scale * 2.0**-10, 2.0 ** math.floor(0.5 * math.log2(8e-3 * scale / total)))
+        finest = finest_spacing(scale, total)
         found = _split_epsilon(tuple(steps), direction, delta, finest, scale, np.dtype(dtype).str, points, whole)
         if found is None:
             return None if strict else answer
@@ -118,13 +111,7 @@ def _split_epsilon(steps: tuple, direction: str, delta: float, spacing: float, s
     off (a side whose tail cannot matter is kept in the bulk), then the finest spacing the
     bulk's spread asks for, coarser while a window does not fit."""
     dtype = np.dtype(dtype)
-    floor, cut = _cuts(steps, direction, delta)
-    bottom = min(float(_pld._loss_of_z(-_pld._GAUSS_TAIL * sigma, sigma, q, direction)) for sigma, q, _ in steps)
-    reach = max(float(_pld._loss_of_z(1.0 + _pld._GAUSS_TAIL * sigma, sigma, q, direction)) for sigma, q, _ in steps)
-    if not reach > cut + scale / 4.0:
-        cut = None  # no upper tail reaches epsilon's scale (addition, at tiny q)
-    if not floor - bottom > (reach if cut is None else cut) - floor:
-        floor = None  # a lower tail would not halve the bulk's support
+    floor, cut, bottom, reach = split_ends(steps, direction, delta, scale)
     if floor is None and cut is None and not whole:
         return None
     h = _bulk_spacing(steps, direction, spacing, scale, bottom if floor is None else floor,
@@ -137,6 +124,27 @@ def _split_epsilon(steps: tuple, direction: str, delta: float, spacing: float, s
             return None
         h *= 2.0  # a window too wide for the finest grid: try a coarser one
     return None
+
+
+def split_ends(steps: tuple, direction: str, delta: float, scale: float) -> tuple:
+    """``(floor, cut, bottom, reach)``: where the bulk ends below and above (:func:`_cuts`;
+    None: that side has no tail of its own), and the steps' lowest and highest losses
+    kept at all. An upper tail is split off where it reaches ``scale`` (epsilon's), a
+    lower one where it would halve the bulk's support."""
+    floor, cut = _cuts(steps, direction, delta)
+    bottom = min(float(_pld._loss_of_z(-_pld._GAUSS_TAIL * sigma, sigma, q, direction)) for sigma, q, _ in steps)
+    reach = max(float(_pld._loss_of_z(1.0 + _pld._GAUSS_TAIL * sigma, sigma, q, direction)) for sigma, q, _ in steps)
+    if not reach > cut + scale / 4.0:
+        cut = None  # no upper tail reaches epsilon's scale (addition, at tiny q)
+    if not floor - bottom > (reach if cut is None else cut) - floor:
+        floor = None  # a lower tail would not halve the bulk's support
+    return floor, cut, bottom, reach
+
+
+def finest_spacing(scale: float, total: int) -> float:
+    """The bulk's finest bin for an epsilon of ``scale`` over ``total`` steps: at most 2^-10
+    of it, and a mean shift of connect-the-dots, T h^2 / 8, at most 10^-3 of it."""
+    return min(scale * 2.0**-10, 2.0 ** math.floor(0.5 * math.log2(8e-3 * scale / total)))
 
 
 #: The loss distribution of no step at all: loss 0 for sure.
@@ -155,7 +163,7 @@ def _bulk_spacing(steps: tuple, direction: str, spacing: float, scale: float, fl
     by about :math:`h \sum_r c_r \mathbb E|L_r|` over the bulk (losses from ``floor`` to ``cut``)."""
     absolute = math.fsum(count * _mean_absolute(sigma, q, direction, floor, cut) for sigma, q, count in steps)
     ratio = (_SPREAD_SHARE * scale) ** 2 / absolute if absolute > 0.0 else math.inf
-    if not ratio > 0.0:
+    if not 0.0 < ratio < math.inf:
         return spacing
     return min(spacing, 2.0 ** math.floor(math.log2(ratio)))
 
@@ -242,11 +250,34 @@ def _split_on(steps: tuple, direction: str, delta: float, h: float, ends: tuple,
         start = 2.0 * scale - float(profile.losses[0])
         losses, masses, p_inf = _tails(sigma, q, direction, h, (bottoms[r], lows[r], highs[r], tops[r]), step,
                                        (reach, start))
-        readers.append(_Tail(count, masses, losses, profile))
+        readers.append(_Tail(count, masses, losses, profile, others))
         weight += count * float(masses.sum())
         log_finite += count * math.log1p(-p_inf)
     constant = (-math.expm1(log_finite) + weight * weight / 2.0) * (1.0 + 1e-12)
-    return _invert(alone, readers, constant, delta)
+    found = _invert(alone, readers, constant, delta)
+    if found is None or not found[1] or not readers:
+        return found
+    return _retilted(found, alone, readers, constant, delta, (h, dtype, transforms, points))
+
+
+def _retilted(found: tuple, alone: _Profile, readers: list, constant: float, delta: float, grid: tuple) -> tuple:
+    """:func:`_split_on`'s answer ``found``, where rounding decides it, or the answer with
+    each tail's profile D also composed at a tilt, if smaller.
+
+    The tails read D from its body up into its upper tail, where the untilted
+    transform's rounding can be most of delta (sigma 0.661, q 1e-6, 10^8 steps, delta
+    1e-12: 0.2268 against 0.2249). Composed again at the Chernoff tilt of the level it
+    is read at there, delta over the tail's mass (the wrap-around share of that window,
+    times the mass, is the same share of delta), it bounds the same profile: each
+    reading takes the smaller of the two bounds. ``grid``: ``(h, dtype, transforms,
+    points)`` of the split."""
+    h, dtype, transforms, points = grid
+    for reader in readers:
+        level = delta / (reader.count * float(reader.masses.sum())) if reader.masses.size else math.inf
+        if level < 0.5:
+            reader.tilted = _term_profile(reader.others, h, level, dtype, None, transforms, points)
+    again = _invert(alone, readers, constant, delta)
+    return found if again is None or not again[0] < found[0] else again
 
 
 def _bulk(sigma, q, direction, h, low: int, high: int, below: bool, above: bool, step: float) -> np.ndarray:
@@ -326,30 +357,29 @@ def _dots(sigma: float, q: float, direction: str, points: np.ndarray) -> tuple[n
 class _Profile:
     """A composed product of bulks on its window, read at any losses: the exact profile of
     its grid distribution, plus the rounding allowance of the entries above the point and
-    the wrap-around bound, and never above its total mass (which bounds any profile)."""
+    the wrap-around bound, and never above its total mass (which bounds any profile)
+    (:meth:`at`); or, for lower bounds, less all of those (:meth:`floor_at`). ``below``:
+    a bound on the composed mass below the window, which wraps to its top."""
 
     def __init__(self, tilted: np.ndarray, log_untilt: np.ndarray, losses: np.ndarray, noise: tuple,
-                 wrap: float, mass: float):
-        self.losses, self.noise, self.wrap, self.mass = losses, noise, wrap, mass
+                 wrap: float, mass: float, below: float = 0.0):
+        self.losses, self.noise, self.wrap, self.mass, self.below = losses, noise, wrap, mass, below
         n = losses.size
         self.spacing = float(losses[-1] - losses[0]) / (n - 1)
         valid = log_untilt <= 300.0  # beyond, a mass would exceed 1: uncertifiable there
         self.first_valid = int(np.argmax(valid)) if valid.any() else n
         size = n - self.first_valid
         masses = np.zeros(n)
-        weighted = np.zeros(n)
         if size:
             start = float(log_untilt[self.first_valid])
             slope = float(log_untilt[-1] - start) / max(size - 1, 1)
-            spacing = float(losses[-1] - losses[self.first_valid]) / max(size - 1, 1)
             masses[self.first_valid:] = tilted[self.first_valid:] * _pld._exp_linear(start, slope, size)
-            weighted[self.first_valid:] = tilted[self.first_valid:] * _pld._exp_linear(start, slope - spacing, size)
         self.decay = float(log_untilt[0] - log_untilt[1]) if n > 1 else 0.0
         # Position i + 1 holds the sums over entries j > i, for i = -1 .. n - 1.
         self.above = np.concatenate([[masses.sum()], _pld._suffix_sum(masses)])
-        self.discounted = np.concatenate([[weighted.sum()], _pld._suffix_sum(weighted)])  # m_j e^{r - l_j}
+        self.log_discounted = _log_discounted(masses, losses, self.first_valid)
         self.log_untilt = np.concatenate([[log_untilt[0] + self.decay], log_untilt])
-        self.reference = float(losses[min(self.first_valid, n - 1)])
+        self.wrapped_in = None  # for floor_at: (tilt, window width, lambdas, cgf in these losses)
 
     def at(self, points: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(profile, allowance)`` at each of ``points``: the sum over entries above it of
@@ -361,10 +391,8 @@ class _Profile:
         with np.errstate(invalid="ignore"):
             i = np.clip(np.ceil((points - self.losses[0]) / self.spacing), 0, n).astype(np.int64) - 1
         allowance = _pld._allowances(self.noise, self.log_untilt[i + 1], self.decay, (n - 1 - i).astype(float))
-        discounted, above = self.discounted[i + 1], self.above[i + 1]
-        with np.errstate(over="ignore", divide="ignore"):
-            subtract = np.where(discounted > 0, np.exp(points - self.reference + np.log(discounted)), 0.0)
-        summing = 4.0 * (n + 4) * _pld._U * (above + subtract)  # the sums' own rounding
+        subtract, above = self._subtract(points, i), self.above[i + 1]
+        summing = 4.0 * (n + 4) * _pld._U * (above + subtract) + _SUBNORMAL  # the sums' own rounding
         value = self.wrap + allowance + np.maximum(above - subtract, 0.0) + summing
         valid = (i >= self.first_valid) | ((i == -1) & (self.first_valid == 0))
         value = np.where(valid & (value == value), value, math.inf)
@@ -372,14 +400,76 @@ class _Profile:
         capped = value >= self.mass
         return np.where(capped, self.mass, value), np.where(capped | (i >= n - 1), 0.0, allowance)
 
+    def floor_at(self, points: np.ndarray) -> np.ndarray:
+        """A lower bound on the exact profile at each of ``points``, for
+        :mod:`.rare_lower`: the computed sum over the entries above the point less their
+        rounding allowance, the sums' own rounding and the mass wrapped in from below the
+        window (what wraps in from above it lands at lower losses, which only lowers a
+        profile), and 0 from the window's top on. Entries the tilt leaves uncertifiable
+        count as 0, which also only lowers it."""
+        n = self.losses.size
+        with np.errstate(invalid="ignore"):
+            i = np.clip(np.ceil((points - self.losses[0]) / self.spacing), 0, n).astype(np.int64) - 1
+        i = np.maximum(i, self.first_valid - 1)
+        allowance = _pld._allowances(self.noise, self.log_untilt[i + 1], self.decay, (n - 1 - i).astype(float))
+        subtract, above = self._subtract(points, i), self.above[i + 1]
+        summing = 4.0 * (n + 4) * _pld._U * (above + subtract) + _SUBNORMAL
+        value = above - subtract - allowance - summing - self.below - self._wrapped_in(points)
+        return np.where((i >= n - 1) | ~(value > 0.0), 0.0, value)
+
+    def _wrapped_in(self, points: np.ndarray) -> np.ndarray:
+        r"""A bound on the mass that wraps in from above the window and lands above each of
+        ``points``: it comes from losses a window's width ``w`` higher, and the tilt
+        ``t`` untilts it ``e^{t w}`` times too heavy, so by Chernoff at most
+        :math:`\min_\lambda e^{K(\lambda) - \lambda (x + w) + t w}`, with ``x`` no
+        lower than the window's bottom (all of it lands above that)."""
+        if self.wrapped_in is None:
+            return np.zeros_like(points)
+        tilt, width, lambdas, cgf = self.wrapped_in
+        lowest = np.maximum(np.atleast_1d(points), self.losses[0])
+        exponents = (cgf[:, None] - lambdas[:, None] * (lowest[None, :] + width)).min(axis=0)
+        return np.exp(np.minimum(exponents + tilt * width, 0.0)).reshape(np.shape(points))
+
+    def _subtract(self, points: np.ndarray, i: np.ndarray) -> np.ndarray:
+        """The sums over the entries ``j > i`` of ``m_j e^{x - l_j}`` at ``x = points``."""
+        log_discounted = self.log_discounted[i + 1]
+        with np.errstate(over="ignore", invalid="ignore"):
+            return np.where(log_discounted > -np.inf, np.exp(points + log_discounted), 0.0)
+
+
+#: Covers the sums' subnormal terms (each off by at most 2^-1074 times e^300, see
+#: :func:`_log_discounted`) over any window, in the profile's rounding allowance.
+_SUBNORMAL = 1e-150
+
+
+def _log_discounted(masses: np.ndarray, losses: np.ndarray, first_valid: int) -> np.ndarray:
+    """log of the sums over ``j > i`` of ``m_j e^{-l_j}``, for ``i = -1 .. n - 1`` (-inf
+    where none is above 0). Within 300 of the lowest valid loss they are summed as
+    ``m_j e^{r - l_j}`` (a subnormal term errs by at most 2^-1074, e^300 times that once
+    scaled back); over a wider window in log space, where those terms would underflow
+    wholly or to a few bits (q = 1 at sigma 0.5 over 1076 steps: a window 1024 wide,
+    whose sums underflowed to 1e-319 and lost a part in 10^5 of the profile)."""
+    n = losses.size
+    reference = float(losses[min(first_valid, n - 1)])
+    with np.errstate(under="ignore", divide="ignore"):
+        if float(losses[-1]) - reference <= 300.0:
+            weighted = masses * np.exp(reference - losses)
+            return np.log(np.concatenate([[weighted.sum()], _pld._suffix_sum(weighted)])) - reference
+        inclusive = np.logaddexp.accumulate((np.log(masses) - losses)[::-1])[::-1]
+    return np.concatenate([inclusive, [-np.inf]])
+
 
 def _term_profile(factors: list, h: float, delta: float, dtype, tilt: float | None = None,
-                  transforms: dict | None = None, points: int = _MAX_POINTS) -> _Profile | None:
+                  transforms: dict | None = None, points: int = _MAX_POINTS, offset: float = 0.0,
+                  aim: float | None = None) -> _Profile | None:
     """The profile of the product of ``factors`` (``(first, masses, count)`` each, on
     spacing ``h``), composed on a window certified by Chernoff bounds from their exact
     moment generating functions (at most a 2^-16 share of ``delta`` beyond it), at
-    ``tilt`` (None: the Chernoff-optimal one at ``delta``, capped against wrap-around),
-    or None where the window needs more than ``points`` points."""
+    ``tilt`` (None: the Chernoff-optimal one at ``delta``, capped against wrap-around;
+    or, given the loss ``aim`` it will be read at, the one that centres the tilted
+    distribution there), or None where the window needs more than ``points`` points.
+    ``offset``: added to the composed losses (the factors' grids sit that far above
+    ``k h`` in all)."""
     lambdas = np.concatenate([-_LAMBDAS[::-1], [0.0], _LAMBDAS])
     cgf = sum(count * _pld._log_mgf(first, masses, h, lambdas) for first, masses, count in factors)
     up, down = cgf[_LAMBDAS.size + 1:], cgf[:_LAMBDAS.size][::-1]
@@ -394,10 +484,17 @@ def _term_profile(factors: list, h: float, delta: float, dtype, tilt: float | No
     beyond = (i_low + n) * h  # composed indices from here on wrap around
     wrap = 0.0 if i_low + n > highest else math.exp(min(float((up - _LAMBDAS * beyond).min()), 0.0))
     log_mass = float(cgf[_LAMBDAS.size])
+    if tilt is None and aim is not None:  # argmin of cgf(lambda) - lambda x, on the quarter-octave lattice
+        tilt = 2.0 ** (math.floor(4.0 * math.log2(float(_LAMBDAS[np.argmin(up - _LAMBDAS * (aim - offset))]))) / 4.0)
     if tilt is None:
         tilt = _pld._choose_tilt(_LAMBDAS, up - log_mass, n * h, min(delta * math.exp(-log_mass), 0.5))
     tilted, log_untilt, noise = _composed(factors, h, i_low, n, tilt, dtype, {} if transforms is None else transforms)
-    return _Profile(tilted, log_untilt, (i_low + np.arange(n)) * h, noise, wrap, math.exp(log_mass))
+    # composed mass at or below (i_low - 1) h, by the same Chernoff bounds
+    below = 0.0 if i_low <= lowest else math.exp(min(float((down + _LAMBDAS * (i_low - 1) * h).min()), 0.0))
+    profile = _Profile(tilted, log_untilt, (i_low + np.arange(n)) * h + offset, noise, wrap, math.exp(log_mass), below)
+    if i_low + n <= highest:  # else nothing lies above the window to wrap in
+        profile.wrapped_in = (tilt, n * h, _LAMBDAS, up + _LAMBDAS * offset)
+    return profile
 
 
 def _composed(factors: list, h: float, i_low: int, n: int, tilt: float, dtype, transforms: dict) -> tuple:
@@ -439,8 +536,9 @@ class _Tail:
     counts), summed at once from suffix sums over the tail, and above it only the
     wrap-around bound is left."""
 
-    def __init__(self, count: int, masses: np.ndarray, losses: np.ndarray, profile: _Profile):
-        self.count, self.masses, self.losses, self.profile = count, masses, losses, profile
+    def __init__(self, count: int, masses: np.ndarray, losses: np.ndarray, profile: _Profile, others: list):
+        self.count, self.masses, self.losses, self.profile, self.others = count, masses, losses, profile, others
+        self.tilted: _Profile | None = None  # D composed again at a tilt, where rounding decides
         self.low, self.high = float(profile.losses[0]), float(profile.losses[-1])
         self.offset = float(losses[0]) if losses.size else 0.0
         self.after = np.concatenate([np.cumsum(masses[::-1])[::-1], [0.0]])  # sum over j >= k of t_j
@@ -455,6 +553,10 @@ class _Tail:
         beyond = min(int(np.searchsorted(self.losses, epsilon - self.high, side="left")), below)
         middle = slice(beyond, below)
         values, allowances = self.profile.at(epsilon - self.losses[middle])
+        if self.tilted is not None:  # both bound the same profile: the smaller, point by point
+            other, other_allowances = self.tilted.at(epsilon - self.losses[middle])
+            smaller = other < values
+            values, allowances = np.where(smaller, other, values), np.where(smaller, other_allowances, allowances)
         value = float(self.masses[middle] @ values)
         allowance = float(self.masses[middle] @ allowances)
         value += self.profile.wrap * float(self.after[0] - self.after[beyond])
@@ -462,11 +564,12 @@ class _Tail:
             d = self.whole
             n = d.losses.size
             everything = float(_pld._allowances(d.noise, d.log_untilt[:1], d.decay, np.array([float(n)]))[0])
-            product = float(d.discounted[0]) * float(self.after_scaled[below])  # 0 (underflow): none taken off
+            scaled = float(self.after_scaled[below])  # 0 (underflow): none taken off
             with np.errstate(over="ignore"):
-                subtract = math.exp(epsilon - d.reference - self.offset + math.log(product)) if product > 0 else 0.0
+                subtract = (math.exp(epsilon - self.offset + float(d.log_discounted[0]) + math.log(scaled))
+                            if scaled > 0 and d.log_discounted[0] > -math.inf else 0.0)
             mass = float(self.after[below])
-            summing = 4.0 * (n + 4) * _pld._U
+            summing = 4.0 * (n + 4) * _pld._U + _SUBNORMAL
             value += (d.wrap + everything + float(d.above[0]) * (1.0 + summing)) * mass - (1.0 - summing) * subtract
             allowance += everything * mass
         return self.count * value, self.count * allowance
@@ -513,92 +616,3 @@ def _invert(alone: _Profile, tails: list, constant: float, delta: float) -> tupl
             at_high = at_high / 2.0 if kept == -1 else at_high
             kept = -1
     return high, not total(high)[1] <= delta / 100.0
-
-
-# --- lower bound ----------------------------------------------------------------------
-
-#: Bins of a tail's loss per unit of the lower bound's scale (finer bins lose less).
-_LOWER_BINS = 2**12
-
-
-def split_lower_bound(steps: tuple, direction: str, delta: float, scale: float) -> float:
-    """A rigorous lower bound on the epsilon of one direction of ``steps`` at ``delta``:
-    the bulk merged into one outcome, the terms with one tail step or none (0.0 where it
-    finds none). ``scale``: a lower estimate of epsilon, which sizes the tail's bins."""
-    if not (0.0 < scale < math.inf) or not steps:
-        return 0.0
-    a = _cuts(tuple(steps), direction, delta)[1]  # dropping the terms beyond loses at most delta / 1024
-    merged = [_merged_step(sigma, q, direction, a) for sigma, q, _ in steps]
-    counts = [count for _, _, count in steps]
-    shift = math.fsum(c * loss for c, (loss, _) in zip(counts, merged))
-    shift -= 1e-12 * math.fsum(c * abs(loss) for c, (loss, _) in zip(counts, merged)) + 1e-300
-    log_all = math.fsum(c * log_mass for c, (_, log_mass) in zip(counts, merged)) * (1.0 + 1e-12)
-    losses, masses = [np.array([shift])], [np.array([math.exp(log_all)])]
-    for (sigma, q, count), (loss, log_mass) in zip(steps, merged):
-        edges, tail = _tail_bins(sigma, q, direction, a, scale + abs(shift), scale)
-        losses.append(shift - loss - 1e-12 * abs(loss) + edges)
-        masses.append(tail * math.exp(math.log(count) + log_all - log_mass) * (1.0 - 1e-12))
-    losses, masses = np.concatenate(losses), np.concatenate(masses)
-    order = np.argsort(losses)
-    return _lower_epsilon(losses[order], masses[order], delta)
-
-
-def _merged_step(sigma: float, q: float, direction: str, a: float) -> tuple[float, float]:
-    """``(loss, log_mass)`` of one step's outcomes with loss at most ``a`` merged into one:
-    its loss :math:`\\log(P(L \\le a) / Q(L \\le a))`, rounded down by the masses' error
-    bounds, and the log of its P-mass, rounded down."""
-    losses = np.array([a])
-    edges, log_n0, log_n1, log_p, log_qq = _pld._bin_log_masses(sigma, q, direction, losses)
-    error = float(_pld._bin_errors(sigma, q, direction, edges, log_n0, log_n1, log_p, log_qq)[0])
-    log_p0, log_q0 = float(log_p[0]), float(log_qq[0])
-    loss = log_p0 - log_q0 - 2.5 * error - 4.0 * _pld._U * (abs(log_p0) + abs(log_q0))
-    return loss, log_p0 + math.log1p(-min(error, 0.5))
-
-
-def _tail_bins(sigma: float, q: float, direction: str, a: float, reach: float, scale: float):
-    """``(losses, masses)``: one step's P-mass above ``a`` in bins of its loss, each placed
-    at its lowest loss (rounding a loss down lowers every profile) and rounded down by
-    its error bound. Bins are ``scale / 4096`` wide up to ``a + reach + 2 scale``, then
-    geometric: a bin ``g`` wide at ``d`` above epsilon loses at most ``g e^{-d}`` of
-    its mass's share there."""
-    top = float(_pld._loss_of_z(1.0 + _pld._GAUSS_TAIL * sigma, sigma, q, direction))
-    width = scale / _LOWER_BINS
-    fine_end = min(a + reach + 2.0 * scale, top)
-    count = min(int(math.ceil((fine_end - a) / width)) + 1, 2**16)
-    edges = a + (fine_end - a) * np.linspace(0.0, 1.0, max(count, 2))
-    if top > fine_end:
-        edges = np.concatenate([edges, fine_end + width * np.geomspace(1.0, (top - fine_end) / width + 1.0, 512)[1:]])
-    bins = _pld._bin_log_masses(sigma, q, direction, edges)
-    errors = _pld._bin_errors(sigma, q, direction, *bins)[1:]
-    with np.errstate(under="ignore"):
-        masses = np.where(errors < 0.1, np.exp(bins[3][1:]) * (1.0 - np.minimum(errors, 1.0)), 0.0)
-    return edges, masses
-
-
-def _lower_epsilon(losses: np.ndarray, masses: np.ndarray, delta: float) -> float:
-    """The largest epsilon >= 0 (to a relative 1e-9) at which the profile of point masses
-    ``masses`` at increasing ``losses``, less a bound on its rounding (a few round-offs
-    per term of its sums), is above ``delta`` (0.0 where none is): a lower bound on the
-    epsilon of any profile above it."""
-    above = np.concatenate([np.cumsum(masses[::-1])[::-1], [0.0]])
-    reference = float(losses[-1])
-    offset = float((reference - losses).max())  # m_j e^{r - l_j - offset}: no exponent above 0
-    with np.errstate(under="ignore"):
-        weighted = masses * np.exp(reference - losses - offset)
-    discounted = np.concatenate([np.cumsum(weighted[::-1])[::-1], [0.0]])
-
-    def exceeds(epsilon: float) -> bool:  # the profile, less a bound on its rounding, above delta
-        i = int(np.searchsorted(losses, epsilon, side="right"))  # entries with loss > epsilon
-        if i >= losses.size:
-            return False
-        with np.errstate(over="ignore"):
-            subtract = math.exp(epsilon - reference + offset + math.log(discounted[i])) if discounted[i] > 0 else 0.0
-        error = 4.0 * (losses.size + 4) * _pld._U * (float(above[i]) + subtract)
-        return float(above[i]) - subtract - error > delta
-
-    if not exceeds(0.0):
-        return 0.0
-    high = max(float(losses[-1]), 0.0)
-    if exceeds(high):
-        return high
-    return _pld._bisected(exceeds, 0.0, high, 2000, relative=1e-9)
