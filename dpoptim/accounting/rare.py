@@ -266,16 +266,18 @@ def _retilted(found: tuple, alone: _Profile, readers: list, constant: float, del
 
     The tails read D from its body up into its upper tail, where the untilted
     transform's rounding can be most of delta (sigma 0.661, q 1e-6, 10^8 steps, delta
-    1e-12: 0.2268 against 0.2249). Composed again at the Chernoff tilt of the level it
-    is read at there, delta over the tail's mass (the wrap-around share of that window,
-    times the mass, is the same share of delta), it bounds the same profile: each
-    reading takes the smaller of the two bounds. ``grid``: ``(h, dtype, transforms,
-    points)`` of the split."""
+    1e-12: 0.2268 against 0.2249). Composed again on the window of the level it is read
+    at there, delta over the tail's mass (the wrap-around share of that window, times
+    the mass, is the same share of delta), at the tilt of the term with no tail step
+    (whose steps' transforms it shares where the windows agree: the level's own Chernoff
+    tilt gave the same values over 20 random runs of 10^8 steps, a fifth slower), it
+    bounds the same profile: each reading takes the smaller of the two bounds. ``grid``:
+    ``(h, dtype, transforms, points)`` of the split."""
     h, dtype, transforms, points = grid
     for reader in readers:
         level = delta / (reader.count * float(reader.masses.sum())) if reader.masses.size else math.inf
         if level < 0.5:
-            reader.tilted = _term_profile(reader.others, h, level, dtype, None, transforms, points)
+            reader.tilted = _term_profile(reader.others, h, level, dtype, alone.tilt, transforms, points)
     again = _invert(alone, readers, constant, delta)
     return found if again is None or not again[0] < found[0] else again
 
@@ -492,6 +494,7 @@ def _term_profile(factors: list, h: float, delta: float, dtype, tilt: float | No
     # composed mass at or below (i_low - 1) h, by the same Chernoff bounds
     below = 0.0 if i_low <= lowest else math.exp(min(float((down + _LAMBDAS * (i_low - 1) * h).min()), 0.0))
     profile = _Profile(tilted, log_untilt, (i_low + np.arange(n)) * h + offset, noise, wrap, math.exp(log_mass), below)
+    profile.tilt = tilt
     if i_low + n <= highest:  # else nothing lies above the window to wrap in
         profile.wrapped_in = (tilt, n * h, _LAMBDAS, up + _LAMBDAS * offset)
     return profile
