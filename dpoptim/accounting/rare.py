@@ -364,8 +364,9 @@ class _Profile:
     a bound on the composed mass below the window, which wraps to its top."""
 
     def __init__(self, tilted: np.ndarray, log_untilt: np.ndarray, losses: np.ndarray, noise: tuple,
-                 wrap: float, mass: float, below: float = 0.0):
+                 wrap: float, mass: float, below: float = 0.0, tilt: float = 0.0, wrapped_in: tuple | None = None):
         self.losses, self.noise, self.wrap, self.mass, self.below = losses, noise, wrap, mass, below
+        self.tilt, self.wrapped_in = tilt, wrapped_in  # wrapped_in: see _wrapped_in
         n = losses.size
         self.spacing = float(losses[-1] - losses[0]) / (n - 1)
         valid = log_untilt <= 300.0  # beyond, a mass would exceed 1: uncertifiable there
@@ -381,20 +382,14 @@ class _Profile:
         self.above = np.concatenate([[masses.sum()], _pld._suffix_sum(masses)])
         self.log_discounted = _log_discounted(masses, losses, self.first_valid)
         self.log_untilt = np.concatenate([[log_untilt[0] + self.decay], log_untilt])
-        self.wrapped_in = None  # for floor_at: (tilt, window width, lambdas, cgf in these losses)
 
     def at(self, points: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(profile, allowance)`` at each of ``points``: the sum over entries above it of
         ``m_j (1 - e^{x - l_j})`` with the bounds above (at most the total mass), and the
         rounding allowance in it."""
         n = self.losses.size
-        # l_i < x <= l_{i+1} on the uniform grid (at x on a grid point either side will do:
-        # that entry adds 0 there)
-        with np.errstate(invalid="ignore"):
-            i = np.clip(np.ceil((points - self.losses[0]) / self.spacing), 0, n).astype(np.int64) - 1
-        allowance = _pld._allowances(self.noise, self.log_untilt[i + 1], self.decay, (n - 1 - i).astype(float))
-        subtract, above = self._subtract(points, i), self.above[i + 1]
-        summing = 4.0 * (n + 4) * _pld._U * (above + subtract) + _SUBNORMAL  # the sums' own rounding
+        i = self._below(points)
+        allowance, above, subtract, summing = self._sums(points, i)
         value = self.wrap + allowance + np.maximum(above - subtract, 0.0) + summing
         valid = (i >= self.first_valid) | ((i == -1) & (self.first_valid == 0))
         value = np.where(valid & (value == value), value, math.inf)
@@ -405,19 +400,33 @@ class _Profile:
     def floor_at(self, points: np.ndarray) -> np.ndarray:
         """A lower bound on the exact profile at each of ``points``, for
         :mod:`.rare_lower`: the computed sum over the entries above the point less their
-        rounding allowance, the sums' own rounding and the mass wrapped in from below the
-        window (what wraps in from above it lands at lower losses, which only lowers a
-        profile), and 0 from the window's top on. Entries the tilt leaves uncertifiable
-        count as 0, which also only lowers it."""
+        rounding allowance, the sums' own rounding, the mass wrapped in from below the
+        window and a bound on what wraps in from above it (:meth:`_wrapped_in`), and 0
+        from the window's top on. Entries the tilt leaves uncertifiable count as 0, which
+        only lowers it."""
+        i = np.maximum(self._below(points), self.first_valid - 1)
+        allowance, above, subtract, summing = self._sums(points, i)
+        value = above - subtract - allowance - summing - self.below - self._wrapped_in(points)
+        return np.where((i >= self.losses.size - 1) | ~(value > 0.0), 0.0, value)
+
+    def _below(self, points: np.ndarray) -> np.ndarray:
+        """The entry ``i`` with ``l_i < x <= l_{i+1}`` for each of ``points`` (-1 below the
+        window, n - 1 above it; at ``x`` on a grid point either side will do: that entry
+        adds 0 there)."""
         n = self.losses.size
         with np.errstate(invalid="ignore"):
-            i = np.clip(np.ceil((points - self.losses[0]) / self.spacing), 0, n).astype(np.int64) - 1
-        i = np.maximum(i, self.first_valid - 1)
+            return np.clip(np.ceil((points - self.losses[0]) / self.spacing), 0, n).astype(np.int64) - 1
+
+    def _sums(self, points: np.ndarray, i: np.ndarray) -> tuple:
+        """``(allowance, above, subtract, summing)`` over the entries ``j > i``: their
+        rounding allowance, the sums of ``m_j`` and of ``m_j e^{x - l_j}`` at ``x =
+        points``, and a bound on those sums' own rounding."""
+        n = self.losses.size
         allowance = _pld._allowances(self.noise, self.log_untilt[i + 1], self.decay, (n - 1 - i).astype(float))
-        subtract, above = self._subtract(points, i), self.above[i + 1]
-        summing = 4.0 * (n + 4) * _pld._U * (above + subtract) + _SUBNORMAL
-        value = above - subtract - allowance - summing - self.below - self._wrapped_in(points)
-        return np.where((i >= n - 1) | ~(value > 0.0), 0.0, value)
+        above, log_discounted = self.above[i + 1], self.log_discounted[i + 1]
+        with np.errstate(over="ignore", invalid="ignore"):
+            subtract = np.where(log_discounted > -np.inf, np.exp(points + log_discounted), 0.0)
+        return allowance, above, subtract, 4.0 * (n + 4) * _pld._U * (above + subtract) + _SUBNORMAL
 
     def _wrapped_in(self, points: np.ndarray) -> np.ndarray:
         r"""A bound on the mass that wraps in from above the window and lands above each of
@@ -431,12 +440,6 @@ class _Profile:
         lowest = np.maximum(np.atleast_1d(points), self.losses[0])
         exponents = (cgf[:, None] - lambdas[:, None] * (lowest[None, :] + width)).min(axis=0)
         return np.exp(np.minimum(exponents + tilt * width, 0.0)).reshape(np.shape(points))
-
-    def _subtract(self, points: np.ndarray, i: np.ndarray) -> np.ndarray:
-        """The sums over the entries ``j > i`` of ``m_j e^{x - l_j}`` at ``x = points``."""
-        log_discounted = self.log_discounted[i + 1]
-        with np.errstate(over="ignore", invalid="ignore"):
-            return np.where(log_discounted > -np.inf, np.exp(points + log_discounted), 0.0)
 
 
 #: Covers the sums' subnormal terms (each off by at most 2^-1074 times e^300, see
@@ -493,11 +496,10 @@ def _term_profile(factors: list, h: float, delta: float, dtype, tilt: float | No
     tilted, log_untilt, noise = _composed(factors, h, i_low, n, tilt, dtype, {} if transforms is None else transforms)
     # composed mass at or below (i_low - 1) h, by the same Chernoff bounds
     below = 0.0 if i_low <= lowest else math.exp(min(float((down + _LAMBDAS * (i_low - 1) * h).min()), 0.0))
-    profile = _Profile(tilted, log_untilt, (i_low + np.arange(n)) * h + offset, noise, wrap, math.exp(log_mass), below)
-    profile.tilt = tilt
-    if i_low + n <= highest:  # else nothing lies above the window to wrap in
-        profile.wrapped_in = (tilt, n * h, _LAMBDAS, up + _LAMBDAS * offset)
-    return profile
+    # what lies above the window, for the lower bounds (none where the window holds it all)
+    above_window = (tilt, n * h, _LAMBDAS, up + _LAMBDAS * offset) if i_low + n <= highest else None
+    return _Profile(tilted, log_untilt, (i_low + np.arange(n)) * h + offset, noise, wrap, math.exp(log_mass), below,
+                    tilt, above_window)
 
 
 def _composed(factors: list, h: float, i_low: int, n: int, tilt: float, dtype, transforms: dict) -> tuple:

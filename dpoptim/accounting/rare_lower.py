@@ -23,12 +23,12 @@ fine grid by the post-processing of :func:`~dpoptim.accounting.pld._dominated_ma
 grid values: the dominated counterpart of connect-the-dots, Doroshenko et al. 2022,
 which loses only the loss variance within about a bin). The bulks are composed by one
 transform on a window as :mod:`.rare` composes them, and the profile is read *less*
-the transform's rounding allowance, the sums' rounding and a Chernoff bound on the mass
-that wraps in from below the window (what wraps in from above lands at lower losses,
-which only lowers the profile); entries the tilt leaves uncertifiable count as 0. The
-term with one tail step is :math:`\sum_r c_r \sum_j t_{r,j} D_r(\varepsilon - l_{r,j})`
-with :math:`D_r` so bounded for the bulks without one step of run ``r``. Mass below
-the bulk's floor (a lower tail) is dropped.
+the transform's rounding allowance, the sums' rounding and Chernoff bounds on the mass
+that wraps in from below the window and from above it (landing at lower losses, but
+untilted too heavy by the tilt's factor across the window); entries the tilt leaves
+uncertifiable count as 0. The term with one tail step is :math:`\sum_r c_r \sum_j
+t_{r,j} D_r(\varepsilon - l_{r,j})` with :math:`D_r` so bounded for the bulks without
+one step of run ``r``. Mass below the bulk's floor (a lower tail) is dropped.
 """
 
 from __future__ import annotations
