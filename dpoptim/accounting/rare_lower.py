@@ -158,7 +158,7 @@ def spread_lower_bound(steps: tuple, direction: str, delta: float, guess: float,
         h *= 2.0  # a window too wide: a coarser bulk
     if found is None:
         return 0.0
-    h /= 2.0
+    h /= 2.0  # the spacing that fitted
     best, size = found
     # Merging onto the grid, unlike splitting, loses a step's loss variance within a bin,
     # and the mean with it where one bin holds a step's whole bulk (q 1e-6: losses within
@@ -189,9 +189,7 @@ def _spread_on(steps: tuple, direction: str, delta: float, h: float, ends: tuple
     if alone is None:
         return None
     terms = []
-    for r, (sigma, q, count) in enumerate(steps):
-        if not tails:
-            break
+    for r, (sigma, q, count) in enumerate(steps if tails else ()):
         counts = [c - (s == r) for s, (_, _, c) in enumerate(steps)]
         others = [(first, masses, c) for (first, masses, _), c in zip(factors, counts) if c]
         profile = rare._term_profile(others or [(0, rare._NOTHING, 1)], h, delta, np.float64, 0.0, transforms,
