@@ -571,6 +571,42 @@ def test_addition_below_removal_is_settled_on_a_coarse_grid_first(monkeypatch):
     assert reported <= grids  # 9.9911e-5 against 9.9947e-5 (the lower bound: 9.951e-5, at 2^20 points)
 
 
+def test_where_the_largest_grid_still_spreads_the_loss_the_split_answers_beside_it(monkeypatch):
+    # sigma 0.501, q 1.52e-6, 10^7 steps, delta 9.8e-5: the body (about 0.04 wide) decides
+    # epsilon, but a rare sampled step far out stretches the grid's window, and 2^20 points
+    # spread every step's loss over bins of 4e-6: 3.1% above the lower bound. The split's
+    # bulk ends where its tail is cut, so its bins are finer on as many points.
+    runs = ((0.501, 1.52e-6, 10**7),)
+    delta = 9.8e-5
+    pld_module._pld_epsilon.cache_clear()
+    reported = pld_epsilon(runs, delta)
+    monkeypatch.setattr(pld_module, "_split_beside", lambda steps, deltas, epsilons, *a: epsilons)
+    pld_module._pld_epsilon.cache_clear()
+    grid = pld_epsilon(runs, delta)
+    pld_module._pld_epsilon.cache_clear()
+    lower = rare_lower.spread_lower_bound(runs, "remove", delta, reported)
+    assert_bracketed(reported, lower, rel=0.005)
+    assert grid > 1.02 * lower  # the grid alone: the case still needs the split
+
+
+def test_epsilon_is_monotone_where_the_split_beside_the_grid_starts_to_answer(monkeypatch):
+    # Near sigma 0.69 (same q, steps and delta as above) the grid stops spreading the loss
+    # enough for the split to be tried beside it. Taken only as the smaller of two sound
+    # answers, it can lower epsilon where it starts, never raise it.
+    calls = []
+    beside = pld_module._split_beside
+    monkeypatch.setattr(pld_module, "_split_beside", lambda *a: calls.append(1) or beside(*a))
+    pld_module._pld_epsilon.cache_clear()
+    values, tried = [], []
+    for k in range(7):
+        before = len(calls)
+        values.append(epsilon(0.688 + 0.001 * k, 1.52e-6, 10**7, 9.8e-5))
+        tried.append(len(calls) > before)
+    pld_module._pld_epsilon.cache_clear()
+    assert all(b < a for a, b in zip(values, values[1:])), values
+    assert any(tried) and not all(tried), tried  # the sweep crosses where it starts
+
+
 def test_the_split_refuses_a_guess_whose_grid_would_underflow():
     # One step at q 9.1e-4, delta e^-7: epsilon is 0, and the first grid's answer, tiny, sized
     # the split's grid: the square of its scale underflowed (ValueError: math domain error).

@@ -646,6 +646,9 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
         grid = _choose_grid(steps, delta, 2 * grid.n, last, guess, tilt=grid.tilt)
         epsilons = (compose_on(steps, deltas, grid) if lower
                     else _smaller_with(steps, deltas, epsilons, compose_on, lambda: grid))
+    if (not lower and rare_split and mixture is None and grid.n >= last and guess < ceiling
+            and _spread_share(steps, grid.spacing) > _SPREAD_SHARE):
+        epsilons = _split_beside(steps, deltas, epsilons, grid, shift)
     if not lower and grid.n >= last and guess < ceiling and grid.spacing > _BIN_SHARE * guess:
         epsilons = _smaller_with(steps, deltas, epsilons, compose_on,
                                  _shorter_cut_grid(steps, delta, grid, max(epsilons.values())))
@@ -695,6 +698,32 @@ def _split_first(steps: tuple, deltas: dict, guess: float, again: bool = True, s
     if addition is None or addition[1]:
         return None
     return {_REMOVE: removal[0], _ADD: addition[0]}
+
+
+def _split_beside(steps: tuple, deltas: dict, epsilons: dict, grid: _Grid, shift: float) -> dict:
+    """Each direction's smaller of ``epsilons`` (the largest grid's, which still spreads
+    the loss: :func:`_spread_share`) and the split of :mod:`.rare` on at most ``points``
+    points, for the directions that can set the reported ``max(remove, add + shift)``.
+
+    A rare loss far out stretches the grid's window while the body decides epsilon (tiny
+    q at a large delta: sigma 0.501, q 1.52e-6, 5.5*10^7 steps, delta 9.8e-5 has a
+    body about 0.08 wide and a window of 8), so the grid's bins spread every step's loss
+    (0.2366 at 2^20 points, 0.2298 at 2^22). The split's bulk window ends where the
+    tail is cut (0.17 there), so its bins are four times finer on as many points: 0.2298.
+    Both are sound upper bounds, and so is the smaller; the split is taken beside the
+    grid, not instead of it, so that where it starts to be tried epsilon can only fall,
+    and only by what the grid still spread there."""
+    offsets = {_REMOVE: 0.0, _ADD: shift}
+    found = dict(epsilons)
+    for direction in sorted(found, key=lambda d: found[d] + offsets[d], reverse=True):
+        other = _ADD if direction == _REMOVE else _REMOVE
+        if found[direction] + offsets[direction] < found[other] + offsets[other] or not found[direction] > 0.0:
+            continue  # below the other's final value, it cannot set the maximum
+        split = rare.split_epsilon(steps, direction, deltas[direction], found[direction], points=grid.n,
+                                   coarsest=grid.spacing / 2.0)
+        if split is not None:
+            found[direction] = min(found[direction], split[0])
+    return found
 
 
 def _smaller_with(steps: tuple, deltas: dict, epsilons: dict, compose_on, other) -> dict:
