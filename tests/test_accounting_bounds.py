@@ -1143,6 +1143,28 @@ def test_the_model_settles_the_smaller_direction_before_its_split(monkeypatch):
     assert both["add"] < settled["add"] <= settled["remove"]
 
 
+@pytest.mark.parametrize("side_by_side", [True, False])
+def test_a_direction_whose_split_is_below_the_others_is_not_refined_further(monkeypatch, side_by_side):
+    # q 1e-6 over 10^8 steps, delta 1e-12: rounding decides both grid answers (0.70), and
+    # addition's first split, 0.193, is below removal's 0.226 (refined to 0.2249). Refining
+    # addition too (to 0.186, on bins four times finer) doubled the work for the same maximum.
+    runs, delta = [(0.6612345, 1e-6, 10**8)], 1e-12
+    monkeypatch.setattr(pld_module, "_side_by_side", lambda: side_by_side)
+    scales = {"remove": set(), "add": set()}
+    inner = rare._split_epsilon
+    monkeypatch.setattr(rare, "_split_epsilon",
+                        lambda steps, d, delta, spacing, scale, *a: scales[d].add(scale) or
+                        inner(steps, d, delta, spacing, scale, *a))
+    pld_module._pld_epsilon.cache_clear()
+    reported = pld_epsilon(runs, delta)
+    assert len(scales["add"] - {2.0}) == 1 and len(scales["remove"] - {2.0}) == 2  # (2.0: the split tried first)
+    monkeypatch.setattr(pld_module, "_FIRST_SPLIT_SHARE", 0.0)  # every direction refined as far as it goes
+    monkeypatch.setattr(pld_module, "_ENOUGH_SHARE", 0.0)
+    pld_module._pld_epsilon.cache_clear()
+    assert pld_epsilon(runs, delta) == reported
+    pld_module._pld_epsilon.cache_clear()
+
+
 def test_the_model_does_not_jump_where_rounding_starts_to_decide():
     # q 2e-5 over 8.3*10^7 steps, delta 1.6e-12: refined by the split where rounding
     # decided its grid's answer, the model fell from 3.145 (sigma 0.7484) to 2.738 (0.7491)

@@ -382,9 +382,18 @@ class _Profile:
             masses[self.first_valid:] = tilted[self.first_valid:] * _pld._exp_linear(start, slope, size)
         self.decay = float(log_untilt[0] - log_untilt[1]) if n > 1 else 0.0
         # Position i + 1 holds the sums over entries j > i, for i = -1 .. n - 1.
-        self.above = np.concatenate([[masses.sum()], _pld._suffix_sum(masses)])
-        self.log_discounted = _log_discounted(masses, losses, self.first_valid)
+        self.above = _sums_from(masses)
+        self.discounted, self.reference = _discounted(masses, losses, self.first_valid)
         self.log_untilt = np.concatenate([[log_untilt[0] + self.decay], log_untilt])
+
+    def log_discounted(self, index) -> np.ndarray:
+        """log of the sums over ``j >= index`` of ``m_j e^{-l_j}`` (-inf where none is above
+        0), for ``index`` from 0 to n (:func:`_discounted`)."""
+        values = self.discounted[index]
+        if self.reference is None:
+            return values
+        with np.errstate(divide="ignore"):
+            return np.log(values) - self.reference
 
     def at(self, points: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(profile, allowance)`` at each of ``points``: the sum over entries above it of
@@ -426,7 +435,7 @@ class _Profile:
         points``, and a bound on those sums' own rounding."""
         n = self.losses.size
         allowance = _pld._allowances(self.noise, self.log_untilt[i + 1], self.decay, (n - 1 - i).astype(float))
-        above, log_discounted = self.above[i + 1], self.log_discounted[i + 1]
+        above, log_discounted = self.above[i + 1], self.log_discounted(i + 1)
         with np.errstate(over="ignore", invalid="ignore"):
             subtract = np.where(log_discounted > -np.inf, np.exp(points + log_discounted), 0.0)
         return allowance, above, subtract, 4.0 * (n + 4) * _pld._U * (above + subtract) + _SUBNORMAL
@@ -446,25 +455,38 @@ class _Profile:
 
 
 #: Covers the sums' subnormal terms (each off by at most 2^-1074 times e^300, see
-#: :func:`_log_discounted`) over any window, in the profile's rounding allowance.
+#: :func:`_discounted`) over any window, in the profile's rounding allowance.
 _SUBNORMAL = 1e-150
 
 
-def _log_discounted(masses: np.ndarray, losses: np.ndarray, first_valid: int) -> np.ndarray:
-    """log of the sums over ``j > i`` of ``m_j e^{-l_j}``, for ``i = -1 .. n - 1`` (-inf
-    where none is above 0). Within 300 of the lowest valid loss they are summed as
-    ``m_j e^{r - l_j}`` (a subnormal term errs by at most 2^-1074, e^300 times that once
-    scaled back); over a wider window in log space, where those terms would underflow
-    wholly or to a few bits (q = 1 at sigma 0.5 over 1076 steps: a window 1024 wide,
-    whose sums underflowed to 1e-319 and lost a part in 10^5 of the profile)."""
+def _sums_from(values: np.ndarray) -> np.ndarray:
+    """``out[k]``: the sum of ``values[j]`` over ``j >= k``, for ``k = 0 .. n`` (one pass)."""
+    out = np.empty(values.size + 1)
+    out[-1] = 0.0
+    np.cumsum(values[::-1], out=out[-2::-1])
+    return out
+
+
+def _discounted(masses: np.ndarray, losses: np.ndarray, first_valid: int) -> tuple:
+    """``(sums, reference)``: the sums over ``j >= k`` of ``m_j e^{-l_j}``, for ``k = 0 ..
+    n``, as ``e^{-reference}`` times ``sums[k]`` (their logarithm, with ``reference``
+    None). Within 300 of the lowest valid loss they are summed as ``m_j e^{r - l_j}`` (a
+    subnormal term errs by at most 2^-1074, e^300 times that once scaled back); over a
+    wider window in log space, where those terms would underflow wholly or to a few bits
+    (q = 1 at sigma 0.5 over 1076 steps: a window 1024 wide, whose sums underflowed to
+    1e-319 and lost a part in 10^5 of the profile). Only the entries from ``first_valid``
+    on hold mass."""
     n = losses.size
-    reference = float(losses[min(first_valid, n - 1)])
+    start = min(first_valid, n - 1)
+    reference = float(losses[start])
     with np.errstate(under="ignore", divide="ignore"):
         if float(losses[-1]) - reference <= 300.0:
-            weighted = masses * np.exp(reference - losses)
-            return np.log(np.concatenate([[weighted.sum()], _pld._suffix_sum(weighted)])) - reference
+            weighted = np.zeros(n)
+            spacing = float(losses[-1] - losses[0]) / max(n - 1, 1)
+            weighted[start:] = masses[start:] * _pld._exp_linear(0.0, -spacing, n - start)
+            return _sums_from(weighted), reference
         inclusive = np.logaddexp.accumulate((np.log(masses) - losses)[::-1])[::-1]
-    return np.concatenate([inclusive, [-np.inf]])
+    return np.concatenate([inclusive, [-np.inf]]), None
 
 
 def _term_profile(factors: list, h: float, delta: float, dtype, tilt: float | None = None,
@@ -527,7 +549,9 @@ def _composed(factors: list, h: float, i_low: int, n: int, tilt: float, dtype, t
         log_scale += count * log_mgf
     spectrum = _pld._polar(log_modulus, angle)
     composed = np.fft.irfft(spectrum, n)
-    tilted = np.maximum(np.roll(composed, -(i_low % n)).astype(np.float64), 0.0)
+    tilted, shift = np.empty(n), i_low % n  # rolled to start at i_low, in float64, negatives set to 0
+    tilted[: n - shift], tilted[n - shift:] = composed[shift:], composed[:shift]
+    np.maximum(tilted, 0.0, out=tilted)
     log_untilt = log_scale - tilt * (i_low + np.arange(n)) * h
     unit = float(np.finfo(dtype).eps) / 2
     total_steps = sum(count for _, _, count in factors)
@@ -573,9 +597,10 @@ class _Tail:
             n = d.losses.size
             everything = float(_pld._allowances(d.noise, d.log_untilt[:1], d.decay, np.array([float(n)]))[0])
             scaled = float(self.after_scaled[below])  # 0 (underflow): none taken off
+            log_discounted = float(d.log_discounted(0))
             with np.errstate(over="ignore"):
-                subtract = (math.exp(epsilon - self.offset + float(d.log_discounted[0]) + math.log(scaled))
-                            if scaled > 0 and d.log_discounted[0] > -math.inf else 0.0)
+                subtract = (math.exp(epsilon - self.offset + log_discounted + math.log(scaled))
+                            if scaled > 0 and log_discounted > -math.inf else 0.0)
             mass = float(self.after[below])
             summing = 4.0 * (n + 4) * _pld._U + _SUBNORMAL
             value += (d.wrap + everything + float(d.above[0]) * (1.0 + summing)) * mass - (1.0 - summing) * subtract
