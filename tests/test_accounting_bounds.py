@@ -580,6 +580,9 @@ def test_where_the_largest_grid_still_spreads_the_loss_the_split_answers_beside_
     delta = 9.8e-5
     pld_module._pld_epsilon.cache_clear()
     reported = pld_epsilon(runs, delta)
+    monkeypatch.setattr(pld_module, "_side_by_side", lambda: False)  # one direction after the other
+    pld_module._pld_epsilon.cache_clear()
+    assert pld_epsilon(runs, delta) == reported
     monkeypatch.setattr(pld_module, "_split_beside", lambda steps, deltas, epsilons, *a: epsilons)
     pld_module._pld_epsilon.cache_clear()
     grid = pld_epsilon(runs, delta)

@@ -715,14 +715,24 @@ def _split_beside(steps: tuple, deltas: dict, epsilons: dict, grid: _Grid, shift
     and only by what the grid still spread there."""
     offsets = {_REMOVE: 0.0, _ADD: shift}
     found = dict(epsilons)
-    for direction in sorted(found, key=lambda d: found[d] + offsets[d], reverse=True):
-        other = _ADD if direction == _REMOVE else _REMOVE
-        if found[direction] + offsets[direction] < found[other] + offsets[other] or not found[direction] > 0.0:
-            continue  # below the other's final value, it cannot set the maximum
+    # bins no finer than spread the loss as little as the spread test asks (fewer points
+    # where the grid only just fails it), and at least twice finer than the grid's
+    needed = grid.spacing * 2.0 ** math.floor(0.5 * math.log2(_SPREAD_SHARE / _spread_share(steps, grid.spacing)))
+    spacings = (min(needed, grid.spacing / 2.0), grid.spacing / 2.0)
+
+    def smaller(direction: str) -> float:
+        if not found[direction] > 0.0:
+            return found[direction]
         split = rare.split_epsilon(steps, direction, deltas[direction], found[direction], points=grid.n,
-                                   coarsest=grid.spacing / 2.0)
-        if split is not None:
-            found[direction] = min(found[direction], split[0])
+                                   spacings=spacings)
+        return found[direction] if split is None else min(found[direction], split[0])
+
+    larger, lesser = sorted((found[d] + offsets[d] for d in found), reverse=True)
+    if _side_by_side() and lesser >= _SIDE_BY_SIDE_SHARE * larger:  # both likely to matter: side by side
+        return _both_directions(smaller)
+    for direction in sorted(found, key=lambda d: found[d] + offsets[d], reverse=True):
+        if found[direction] + offsets[direction] >= found[_other(direction)] + offsets[_other(direction)]:
+            found[direction] = smaller(direction)  # (below the other's final value, it cannot set the maximum)
     return found
 
 

@@ -70,7 +70,7 @@ _LAMBDAS = np.geomspace(1e-2, 1e7, 73)
 
 def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, again: bool = True,
                   points: int = _MAX_POINTS, whole: bool = False, dtype=np.float64,
-                  strict: bool = False, enough: float = 0.0, coarsest: float | None = None) -> tuple[float, bool] | None:
+                  strict: bool = False, enough: float = 0.0, spacings: tuple | None = None) -> tuple[float, bool] | None:
     """Epsilon of one direction of ``steps`` (``(sigma, q, count)`` each) by the split,
     and whether rounding decides it; None where no split applies (no rare tail, or a
     window too wide). ``guess``: an estimate of epsilon (an upper bound), which sizes the
@@ -84,9 +84,10 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, agai
     949,724 steps, delta 8.1e-4, with bins of 2^-10 of 0.5). ``points``: the
     largest window; below :data:`_MAX_POINTS`, a bulk too wide for it at the spacing its
     spread asks for gives None (no coarser spacing is tried: the split would not be the
-    tighter answer there, nor the cheaper). ``coarsest``: spacings are tried, coarser
-    while a window does not fit, up to this one and none above it, whatever ``points``.
-    ``whole``: where no tail reaches epsilon's
+    tighter answer there, nor the cheaper). ``spacings``: ``(finest, coarsest)``, where
+    given: spacings are tried from ``finest`` up (none finer: the caller needs none),
+    coarser while a window does not fit, up to ``coarsest`` and none above it, whatever
+    ``points``. ``whole``: where no tail reaches epsilon's
     scale, compose the steps whole on the fine grid (else None). ``enough``: an answer
     below it is not sized anew (the caller needs no smaller one)."""
     if not (1e-100 < guess < math.inf) or not steps:
@@ -97,7 +98,7 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, agai
         scale = 2.0 ** math.floor(math.log2(guess))  # the cache key holds the guess to within a factor of 2
         finest = finest_spacing(scale, total)
         found = _split_epsilon(tuple(steps), direction, delta, finest, scale, np.dtype(dtype).str, points, whole,
-                               coarsest)
+                               spacings)
         if found is None:
             return None if strict else answer
         answer = found
@@ -109,21 +110,23 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, agai
 
 @functools.lru_cache(maxsize=16)
 def _split_epsilon(steps: tuple, direction: str, delta: float, spacing: float, scale: float, dtype: str,
-                   points: int = _MAX_POINTS, whole: bool = False, coarsest: float | None = None):
+                   points: int = _MAX_POINTS, whole: bool = False, spacings: tuple | None = None):
     """:func:`split_epsilon` for one grid scale, bins at most ``spacing``: the tails to split
     off (a side whose tail cannot matter is kept in the bulk), then the finest spacing the
-    bulk's spread asks for, coarser while a window does not fit (up to ``coarsest``, where given)."""
+    bulk's spread asks for (at least ``spacings[0]``, where given), coarser while a window
+    does not fit (up to ``spacings[1]``, where given)."""
     dtype = np.dtype(dtype)
     floor, cut, bottom, reach = split_ends(steps, direction, delta, scale)
     if floor is None and cut is None and not whole:
         return None
     h = _bulk_spacing(steps, direction, spacing, scale, bottom if floor is None else floor,
                       reach if cut is None else cut)
-    while h <= (scale / 64.0 if coarsest is None else min(scale / 64.0, coarsest)):
+    h = h if spacings is None else max(h, spacings[0])
+    while h <= (scale / 64.0 if spacings is None else min(scale / 64.0, spacings[1])):
         found = _split_on(steps, direction, delta, h, (floor, cut), scale, dtype, points)
         if found is not _TOO_WIDE:
             return found
-        if coarsest is None and points < _MAX_POINTS:
+        if spacings is None and points < _MAX_POINTS:
             return None
         h *= 2.0  # a window too wide for the finest grid: try a coarser one
     return None
