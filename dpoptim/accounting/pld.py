@@ -701,9 +701,10 @@ def _split_first(steps: tuple, deltas: dict, guess: float, again: bool = True, s
 
 
 def _split_beside(steps: tuple, deltas: dict, epsilons: dict, grid: _Grid, shift: float) -> dict:
-    """Each direction's smaller of ``epsilons`` (the largest grid's, which still spreads
-    the loss: :func:`_spread_share`) and the split of :mod:`.rare` on at most ``points``
-    points, for the directions that can set the reported ``max(remove, add + shift)``.
+    """Each direction's smaller of ``epsilons`` (the largest ``grid``'s, which still spreads
+    the loss: :func:`_spread_share`) and the split of :mod:`.rare` on at most as many
+    points, on bins at least twice finer, for the directions that can set the reported
+    ``max(remove, add + shift)`` (both side by side where both are near it).
 
     A rare loss far out stretches the grid's window while the body decides epsilon (tiny
     q at a large delta: sigma 0.501, q 1.52e-6, 5.5*10^7 steps, delta 9.8e-5 has a
