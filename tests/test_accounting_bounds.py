@@ -1140,10 +1140,15 @@ def test_the_model_settles_the_smaller_direction_before_its_split(monkeypatch):
     monkeypatch.setattr(rare, "split_epsilon", lambda s, d, *a, **k: directions.append(d) or split(s, d, *a, **k))
     settled = pld_module._compose_on(runs, deltas, grid, settle_first=True)
     assert directions == ["remove"]
-    both = pld_module._compose_on(runs, deltas, grid)
-    assert "add" in directions[1:]
+    both = pld_module._compose_on(runs, deltas, grid)  # (now the quick candidates first there too)
+    assert directions == ["remove", "remove"]
     assert max(settled.values()) == max(both.values())
-    assert both["add"] < settled["add"] <= settled["remove"]
+    assert both["add"] == settled["add"] <= settled["remove"]
+    monkeypatch.setattr(pld_module, "_quick_refined", lambda *args: math.inf)  # as before that
+    side_by_side = pld_module._compose_on(runs, deltas, grid)
+    assert "add" in directions[2:]
+    assert max(side_by_side.values()) == max(both.values())
+    assert side_by_side["add"] < settled["add"]
 
 
 @pytest.mark.parametrize("side_by_side", [True, False])
@@ -1151,6 +1156,8 @@ def test_a_direction_whose_split_is_below_the_others_is_not_refined_further(monk
     # q 1e-6 over 10^8 steps, delta 1e-12: rounding decides both grid answers (0.70), and
     # addition's first split, 0.193, is below removal's 0.226 (refined to 0.2249). Refining
     # addition too (to 0.186, on bins four times finer) doubled the work for the same maximum.
+    # (Addition's float64 answer at its own tilt, 0.207, settles it before any split now:
+    # that is checked first, then the splits' own rule with that candidate left out.)
     runs, delta = [(0.6612345, 1e-6, 10**8)], 1e-12
     monkeypatch.setattr(pld_module, "_side_by_side", lambda: side_by_side)
     scales = {"remove": set(), "add": set()}
@@ -1160,7 +1167,12 @@ def test_a_direction_whose_split_is_below_the_others_is_not_refined_further(monk
                         inner(steps, d, delta, spacing, scale, *a))
     pld_module._pld_epsilon.cache_clear()
     reported = pld_epsilon(runs, delta)
-    assert len(scales["add"] - {2.0}) == 1 and len(scales["remove"] - {2.0}) == 2  # (2.0: the split tried first)
+    assert len(scales["add"] - {2.0}) == 0 and len(scales["remove"] - {2.0}) == 2  # (2.0: the split tried first)
+    monkeypatch.setattr(pld_module, "_quick_refined", lambda *args: math.inf)
+    scales["add"].clear()
+    pld_module._pld_epsilon.cache_clear()
+    assert pld_epsilon(runs, delta) == reported
+    assert len(scales["add"] - {2.0}) == 1
     monkeypatch.setattr(pld_module, "_FIRST_SPLIT_SHARE", 0.0)  # every direction refined as far as it goes
     monkeypatch.setattr(pld_module, "_ENOUGH_SHARE", 0.0)
     pld_module._pld_epsilon.cache_clear()

@@ -825,10 +825,11 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
         return _rounding_bound(steps, direction, grid, deltas[direction], epsilons[direction],
                                functools.partial(compose, direction), mixture is None, rare_split, enough)
 
-    # Where both are refinable and near each other, the second is usually refined too: with
-    # two cores, side by side, used as the sequence below asks. First, :func:`_split_floors`.
+    # both near each other: the second is usually refined too, side by side on two cores
     larger, smaller = (epsilons[d] + offsets[d] for d in order)
     both = not settle_first and all(map(refinable, order)) and smaller >= _SIDE_BY_SIDE_SHARE * larger
+    if both and mixture is None:  # the quickest candidates first: one may settle far below the other
+        order, both = _quick_first(steps, deltas, grid, epsilons, offsets, compose)
     floors = (_split_floors(steps, deltas, epsilons, offsets) if both and mixture is None and rare_split
               else {_REMOVE: 0.0, _ADD: 0.0})
     ahead = _both_directions(lambda d: refine(d, floors[_other(d)])) if both and _side_by_side() else {}
@@ -845,6 +846,30 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
             if bound is not None and split is not None:
                 (split if by_split else bound).add(direction)
     return epsilons
+
+
+def _quick_first(steps: tuple, deltas: dict, grid: _Grid, epsilons: dict, offsets: dict, compose) -> tuple:
+    """``(order, both)`` for :func:`_compose_on` where both directions are refinable and
+    near each other on ``grid``: each direction's quickest candidate (:func:`_quick_refined`,
+    side by side) first. Where the smaller lies below :data:`_SETTLED_SHARE` of the other's
+    grid value, it is kept (``epsilons`` updated: a sound answer), the directions are
+    refined one after the other, the larger first, and the other only where still at least
+    the larger's final value (``both`` False). Else as before (``both`` True).
+
+    Side by side, each direction went on to its split and other tilts and precisions at
+    once: at q 9.5e-5 over 5.1*10^7 steps, delta 2.8e-10, addition's split took 1.9 s to
+    reach 668, where its own tilt gave 468 in float64 and removal's final value was 858."""
+    quick = _both_directions(lambda d: _quick_refined(steps, d, grid, deltas[d], compose))
+    lesser = min(quick, key=lambda d: quick[d] + offsets[d])
+    if not quick[lesser] + offsets[lesser] < _SETTLED_SHARE * (epsilons[_other(lesser)] + offsets[_other(lesser)]):
+        return sorted(epsilons, key=lambda d: epsilons[d] + offsets[d], reverse=True), True
+    epsilons[lesser] = min(epsilons[lesser], quick[lesser])
+    return sorted(epsilons, key=lambda d: epsilons[d] + offsets[d], reverse=True), False
+
+
+#: :func:`_quick_first` keeps a direction's quickest candidate, refining it no further for
+#: now, below this share of the other's grid value.
+_SETTLED_SHARE = 0.75
 
 
 def _split_floors(steps: tuple, deltas: dict, epsilons: dict, offsets: dict) -> dict:
