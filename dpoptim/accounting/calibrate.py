@@ -13,7 +13,6 @@ never gives more than the target, and the step count never overshoots the budget
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
 
