@@ -14,7 +14,8 @@ What changes from one process:
   the noise enters once and every replica takes the same step. DDP's own gradient
   all-reduce is not needed, so the backward runs under ``ddp_model.no_sync()``.
 
-The script ends by checking that the replicas still hold identical weights.
+The script ends by checking that the replicas still hold identical weights, and leaves
+with ``os._exit`` (see the note at its end).
 """
 
 import argparse
@@ -100,4 +101,11 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # Leave without tearing the interpreter down. DDP keeps the gloo group alive until
+    # shutdown, and a gloo worker thread that is late in releasing the last collective's
+    # tensors then needs the interpreter as it is being finalized: the process aborts
+    # ("terminate called without an active exception") after all the work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
