@@ -688,7 +688,7 @@ def _split_first(steps: tuple, deltas: dict, guess: float, again: bool = True, s
     # 0.008 s, where sized for removal's answer rounding decided it after 0.7 s).
     quick = rare.split_epsilon(steps, _ADD, deltas[_ADD], max(removal[0], 1e-300) * _QUICK_ADDITION, False,
                                _FIRST_SPLIT_POINTS, whole=True)
-    if quick is not None and not quick[1] and quick[0] + shift <= removal[0]:
+    if quick is not None and quick[0] + shift <= removal[0]:  # (sound where rounding decides it, too)
         return {_REMOVE: removal[0], _ADD: quick[0]}
     addition = rare.split_epsilon(steps, _ADD, deltas[_ADD], max(removal[0], 1e-300) if again else guess, False,
                                   _FIRST_SPLIT_POINTS, whole=True)
