@@ -16,13 +16,19 @@ class PrivacySpent(NamedTuple):
     delta: float
 
 
+#: The budget stop asks how many more steps fit up to this many (and asks again once they
+#: are taken): a search far beyond the steps a run takes can last minutes
+#: (:func:`~dpoptim.accounting.max_steps`), where whether these fit takes one evaluation.
+BUDGET_HORIZON = 2**20
+
+
 class _BudgetAnswer(NamedTuple):
     """What the budget stop last computed: steps up to ``limit`` fit at ``settings``."""
 
     settings: tuple
     limit: int
     computed_at: int  # steps taken when it was computed
-    one_step: bool  # only the next step was checked: ask again after it
+    ask_again: bool  # only checked up to ``limit`` (the next step, or the horizon): ask again there
 
 
 class SpendingMixin:
@@ -84,7 +90,8 @@ class SpendingMixin:
         """Raise before a step that would exceed ``max_epsilon``.
 
         The number of steps the budget allows at (sigma, q) is computed once per change of
-        settings (:func:`~dpoptim.accounting.max_steps`, a search), not per step. Where the
+        settings (:func:`~dpoptim.accounting.max_steps`, a search, up to
+        :data:`BUDGET_HORIZON` steps at a time), not per step. Where the
         settings changed at the previous step too (a schedule that changes every step), the
         search would be repeated at every step for one step's use: the accountant is asked
         instead whether the ledger with this one step fits, the same criterion as the
@@ -95,7 +102,7 @@ class SpendingMixin:
         key = (sigma, q, self.delta, self.max_epsilon, self.accountant)
         cache = self._budget_cache
         taken = self.steps_taken
-        if cache is None or cache.settings != key or (cache.one_step and taken >= cache.limit):
+        if cache is None or cache.settings != key or (cache.ask_again and taken >= cache.limit):
             from . import accounting
 
             if cache is not None and cache.settings != key and cache.computed_at == taken - 1:
@@ -103,10 +110,9 @@ class SpendingMixin:
                     [*self.ledger, (sigma, q, 1)], self.delta, accountant=self.accountant) <= self.max_epsilon
                 cache = _BudgetAnswer(key, taken + int(fits), taken, True)
             else:
-                allowed = accounting.max_steps(
-                    sigma, q, self.delta, self.max_epsilon, ledger=self.ledger, accountant=self.accountant
-                )
-                cache = _BudgetAnswer(key, taken + allowed, taken, False)
+                allowed = accounting.max_steps(sigma, q, self.delta, self.max_epsilon, ledger=self.ledger,
+                                               accountant=self.accountant, limit=BUDGET_HORIZON)
+                cache = _BudgetAnswer(key, taken + allowed, taken, allowed >= BUDGET_HORIZON)
             self._budget_cache = cache
         if taken >= cache.limit:
             raise PrivacyBudgetExceeded(

@@ -425,6 +425,43 @@ def test_max_steps_uses_logarithmically_many_evaluations(monkeypatch):
     assert calls.count("pld") <= 4 * math.log2(k)
 
 
+@pytest.mark.parametrize("name", ["rdp", "pld"])
+def test_max_steps_with_a_limit_is_the_smaller_of_the_answer_and_the_limit(name):
+    prior = [(0.9, 0.01, 500)]
+    k = max_steps(1.1, 0.004, DELTA, 3.0, ledger=prior, accountant=name)
+    assert 100 < k < UNLIMITED_STEPS
+    for limit in (0, 1, k - 1, k, k + 1, 4 * k):
+        assert max_steps(1.1, 0.004, DELTA, 3.0, ledger=prior, accountant=name, limit=limit) == min(k, limit)
+    assert max_steps(math.inf, 0.01, DELTA, 1.0, limit=7) == 7  # never runs out: the limit
+    assert max_steps(1.0, 0.01, DELTA, 0.5, ledger=[(0.5, 0.5, 1000)], limit=7) == 0  # already over
+
+
+def test_max_steps_with_a_limit_is_settled_on_the_accountant_whatever_the_steering_says(monkeypatch):
+    # The search galloped up to the limit on the steering alone; a steering that claims
+    # every count fits must still give the exact answer below the limit.
+    k = max_steps(1.1, 0.004, DELTA, 3.0)
+    monkeypatch.setattr(calibrate_module, "steering_epsilon", lambda *args, **kwargs: 1e-12)
+    assert max_steps(1.1, 0.004, DELTA, 3.0, limit=4 * k) == k
+    assert max_steps(1.1, 0.004, DELTA, 3.0, limit=k // 2) == k // 2
+
+
+def test_max_steps_with_a_limit_asks_nothing_more_where_rdp_allows_it(monkeypatch):
+    # Unlimited, this budget lasts 2.8e10 steps and the search took about 30 s; whether
+    # 2^20 steps fit, RDP's closed form says (the PLD never exceeds it).
+    steered = []
+    steering = calibrate_module.steering_epsilon
+    monkeypatch.setattr(calibrate_module, "steering_epsilon", lambda *a, **k: steered.append(1) or steering(*a, **k))
+    assert max_steps(10.0, 1e-4, DELTA, 8.0, limit=2**20) == 2**20
+    assert not steered
+    assert epsilon(10.0, 1e-4, 2**20, DELTA) <= epsilon(10.0, 1e-4, 2**20, DELTA, "rdp") <= 8.0
+
+
+@pytest.mark.parametrize("limit", [-1, 1.5, float("inf"), "10"])
+def test_max_steps_rejects_a_bad_limit_by_name(limit):
+    with pytest.raises(ValueError, match="limit"):
+        max_steps(1.0, 0.01, DELTA, 1.0, limit=limit)
+
+
 def test_max_steps_edges():
     assert max_steps(1.0, 0.01, DELTA, 0.5, ledger=[(0.5, 0.5, 1000)]) == 0  # already over
     assert max_steps(math.inf, 0.01, DELTA, 1.0) == UNLIMITED_STEPS

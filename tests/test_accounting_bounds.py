@@ -1632,6 +1632,36 @@ def test_the_budget_stop_follows_a_schedule_that_changes_every_step(monkeypatch)
     assert len(searches) <= 2  # the first step, and the first change; then one-step checks
 
 
+def test_the_budget_stop_asks_again_past_its_horizon(monkeypatch):
+    # The budget stop asks max_steps for at most BUDGET_HORIZON steps (a search far beyond
+    # a run's length can take minutes): with a horizon of 5 it asks again every 5 steps
+    # and still stops exactly where the reported epsilon would pass the budget.
+    import torch
+    from torch import nn
+
+    import dpoptim
+    from dpoptim import accounting, spending
+
+    budget = 0.5 * sum(epsilon_of_ledger([(0.9, 0.2, k)], DELTA) for k in (22, 23))  # between 22 and 23 steps
+    limits = []
+    search = accounting.max_steps
+    monkeypatch.setattr(accounting, "max_steps", lambda *a, **k: limits.append(k["limit"]) or search(*a, **k))
+    monkeypatch.setattr(spending, "BUDGET_HORIZON", 5)
+    model = nn.Linear(3, 1)
+    opt = dpoptim.DPSGD(model.parameters(), lr=0.0, noise_multiplier=0.9, max_grad_norm=1.0,
+                        expected_batch_size=4, sample_rate=0.2, max_epsilon=budget, delta=DELTA)
+    x = torch.zeros(4, 3)
+    taken = 0
+    with pytest.raises(dpoptim.PrivacyBudgetExceeded):
+        for taken in range(100):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    assert taken == 22 and opt.ledger == ((0.9, 0.2, 22),)
+    assert epsilon_of_ledger([(0.9, 0.2, 23)], DELTA) > budget
+    assert limits == [5] * 5  # at 0, 5, 10, 15 (5 fit each time) and 20 (2 fit): then the stop
+
+
 def test_a_loose_lower_bound_of_one_run_is_computed_again_on_a_finer_grid():
     # sigma 0.23 at q 1.2e-6 over 266,131 steps: each sampled step's loss is about 9, and
     # the grid chosen for a tenth of epsilon gave 19.57 against the reported 24.175 (the

@@ -112,10 +112,10 @@ def test_privacy_spent_composes_the_schedule_run_by_run(monkeypatch):
         calls.append(("eps", tuple(ledger)))
         return sum(count / sigma for sigma, _, count in ledger)
 
-    def max_steps(sigma, q, delta, max_epsilon, ledger=(), accountant="pld"):
+    def max_steps(sigma, q, delta, max_epsilon, ledger=(), accountant="pld", limit=None):
         calls.append(("max", sigma, tuple(ledger)))
         spent = sum(count / s for s, _, count in ledger)
-        return int((max_epsilon - spent) * sigma + 1e-9)
+        return min(int((max_epsilon - spent) * sigma + 1e-9), limit)
 
     import dpoptim.accounting.ledger  # noqa: F401  (the optimizer's ledger type stays real)
 

@@ -753,6 +753,7 @@ def max_steps(
     max_epsilon,
     ledger=(),
     accountant: str = "pld",
+    limit=None,
 ) -> int:
     """The largest ``k`` such that ``ledger`` plus ``k`` steps at ``(sigma, q)`` has epsilon
     at most ``max_epsilon``.
@@ -763,12 +764,20 @@ def max_steps(
     evaluations: the RDP bound in closed form gives a starting point (PLD never exceeds
     RDP, so it is within budget), a gallop finds a point beyond the budget, and a
     bracketed interpolation search on the accountant itself finishes.
+
+    ``limit`` (a step count): the answer is at most ``limit``, exactly ``min(k, limit)``,
+    and the search goes no further. Far beyond the 10^8 steps the accounting is tuned
+    for, it takes seconds to minutes (sigma 10, q 1e-4, a budget of 8: 2.8*10^10 steps
+    in about 30 s), where asking whether ``limit`` steps fit takes one evaluation or
+    none (RDP's closed form often says so already). The optimizers' budget stop asks
+    for :data:`~dpoptim.spending.BUDGET_HORIZON` steps at a time.
     """
     name = _check_accountant(accountant)
     sigma = check_noise_multiplier(noise_multiplier)
     q = check_sample_rate(sample_rate)
     delta = check_delta(delta)
     budget = check_epsilon(max_epsilon, "max_epsilon")
+    top = _SEARCH_END if limit is None else min(check_count(limit, "limit"), _SEARCH_END)
     base = Ledger(ledger)
 
     def eps(k: int) -> float:
@@ -776,14 +785,13 @@ def max_steps(
 
     if eps(0) > budget:
         return 0
-    if math.isinf(budget) or math.isinf(sigma):
-        return UNLIMITED_STEPS
-    limit = 2**62
+    if math.isinf(budget) or math.isinf(sigma) or top == 0:
+        return UNLIMITED_STEPS if limit is None else top
     # RDP in closed form: the exact answer for the RDP accountant up to rounding, and a
     # lower bound for PLD, which never exceeds RDP.
-    low = _max_steps_rdp(sigma, q, delta, budget, base, limit)
-    if low >= limit:
-        return UNLIMITED_STEPS
+    low = _max_steps_rdp(sigma, q, delta, budget, base, top)
+    if low >= top:
+        return UNLIMITED_STEPS if limit is None else top
     if low == 0 and eps(1) > budget:
         return 0  # not one more step fits: no search (where RDP allows none, often so)
     # The search runs on a quick PLD that keeps the ledger's groups fixed, on a grid 8
@@ -792,10 +800,22 @@ def max_steps(
     # its answer against the accountant and divided out, the search repeated, and the
     # answer settled on the accountant itself: k fits and k + 1 does not.
     if name != "pld" or steering_epsilon(base, sigma, q, 0, delta, grid_points=_STEERING_GRID) is None:
-        found = _search_steps(eps, budget, low, limit)
+        found = _search_steps(eps, budget, low, top)
     else:
-        found = _steered_search(eps, sigma, q, delta, budget, base, low, limit)
-    return UNLIMITED_STEPS if found >= limit else found
+        found = _steered_search(eps, sigma, q, delta, budget, base, low, top)
+    if found < top:
+        return found
+    return UNLIMITED_STEPS if limit is None else _settle_limit(eps, budget, low, top)
+
+
+def _settle_limit(eps, budget: float, low: int, top: int) -> int:
+    """:func:`max_steps` where its search reached a ``limit`` of ``top`` steps: the searches
+    end there without checking that it fits (the steering is a few percent off the
+    accountant), so the accountant settles it; ``low``: RDP's answer (fits, up to
+    rounding)."""
+    if eps(top) <= budget:
+        return top
+    return _last_feasible(eps, budget, low if eps(low) <= budget else 0, top)
 
 
 def _steered_search(eps, sigma, q, delta, budget: float, base: Ledger, low: int, limit: int) -> int:
@@ -848,6 +868,9 @@ def _steered_search(eps, sigma, q, delta, budget: float, base: Ledger, low: int,
             found = min(max(int(guess), found - spread, 0), found + spread)
     return _settle(eps, budget, found, limit)
 
+
+#: Where :func:`max_steps` stops searching: a budget that lasts longer is unlimited.
+_SEARCH_END = 2**62
 
 #: Grid of the quick PLD that steers max_steps' search.
 _STEERING_GRID = 2**15
