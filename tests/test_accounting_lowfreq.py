@@ -137,6 +137,57 @@ def test_refined_bounds_hold_and_end_at_the_last_live_frequency():
         assert suffix[k] <= sharp.at(k) + 1e-15
 
 
+def test_refined_bounds_of_whole_spectra_stay_sharp_where_the_group_alone_is_not_dead():
+    # The route by full FFTs starts from the bound that holds everywhere (1 + 1e-9) and
+    # passes the whole half-spectrum. A group of few steps never dies alone; its bounds
+    # used to stay that 1 + 1e-9 (the everywhere bound was appended past the last
+    # frequency, and the suffix maxima took it), so groups could never be cut together.
+    n = 2**14
+    rows = step_rows(n, 2.0**-11, [(0.8, 0.01), (1.5, 0.01)], "remove")
+    spectra = np.array([full_transform(*row, n) for row in rows]).astype(np.complex128)
+    everywhere = lowfreq.DeadBound(n // 2 + 1, np.full(1, 1.0 + 1e-9), n // 2 + 1)
+    sharp = lowfreq.refined(everywhere, spectra, 60, DEAD, 0.0)
+    assert sharp.end == n // 2 + 1  # 60 steps alone: not dead anywhere
+    worst = np.abs(spectra).max(axis=0)
+    suffix = np.maximum.accumulate(worst[::-1])[::-1]
+    for k in range(0, n // 2, 97):
+        assert suffix[k] <= sharp.at(k) <= suffix[k] + 1e-12
+    assert sharp.at(n // 8) < 0.999
+
+
+def test_groups_dead_only_together_are_cut_where_their_product_underflows(monkeypatch):
+    # A schedule that changes at every step: about 30 steps per group, none dead alone.
+    # Together they are past about a tenth of the frequencies, where the product of all
+    # the steps' transforms is exactly zero in float64; mixing every row only up to
+    # there gives the same epsilon (it took 2.5 s at 10^4 steps instead of 0.2 to 0.3 s).
+    runs = [(1.5 - 0.7 * t / 2000, 0.01, 1) for t in range(2000)]
+    cuts, products = [], []
+    combined, mixture_product = pld_module._combined_end, pld_module._mixture_product
+
+    def spy_end(deads, counts, n):
+        cuts.append((combined(deads, counts, n), min(dead.end for dead in deads)))
+        return cuts[-1][0]
+
+    def spy_product(*args):
+        products.append(mixture_product(*args)[0])
+        return products[-1], mixture_product(*args)[1]
+
+    monkeypatch.setattr(pld_module, "_combined_end", spy_end)
+    monkeypatch.setattr(pld_module, "_mixture_product", spy_product)
+    together = pld_epsilon(runs, 1e-5)
+    assert cuts and all(cut < alone for cut, alone in cuts[-2:])
+    cut_products = products[-2:]
+    pld_module._pld_epsilon.cache_clear()
+    pld_module._prefix_cache.clear()
+    monkeypatch.setattr(pld_module, "_combined_end", lambda deads, counts, n: min(dead.end for dead in deads))
+    alone = pld_epsilon(runs, 1e-5)
+    assert together == pytest.approx(alone, rel=1e-9)
+    for cut_product in cut_products:  # (the two directions, in either order)
+        cut = np.flatnonzero(cut_product.spectrum)[-1] + 1
+        full = [p for p in products[-2:] if np.array_equal(p.spectrum[:cut], cut_product.spectrum[:cut])]
+        assert len(full) == 1 and np.all(full[0].spectrum[cut:] == 0.0)
+
+
 def test_mixture_groups_agree_by_either_route(monkeypatch):
     # The long schedule's groups by block moments (the default here) and by full FFTs:
     # the same epsilon to within the rounding allowances, the moments' a little larger

@@ -120,17 +120,22 @@ def refined(bound: DeadBound, spectra: np.ndarray, count: int, dead: float, erro
     """``bound`` sharpened by a group's rows' transforms ``spectra`` (each within ``error``)
     at the frequencies below its length: the group is dead past its last frequency there
     whose modulus may exceed the threshold, if ``bound`` holds everything beyond (else
-    ``bound`` itself, as for a group of one step)."""
+    it ends where ``bound`` does); either way its suffix bounds are those moduli (the
+    groups together may die where none does alone: ``pld._combined_end``). ``bound``
+    itself for a group of one step."""
     if count < 2 or spectra.shape[1] == 0:
         return bound
     threshold = math.exp(-dead / count) * (1.0 - 1e-9)
     modulus = np.abs(spectra).max(axis=0) + error
     live = np.flatnonzero(modulus > threshold)
     cut = int(live[-1]) + 1 if live.size else 1
-    suffix = np.maximum.accumulate(np.append(modulus, bound.at(spectra.shape[1]))[::-1])[::-1]
-    if cut >= bound.end or not suffix[cut] <= threshold:
-        return bound
+    beyond = bound.at(spectra.shape[1])  # past the transforms given: what ``bound`` says there
+    if spectra.shape[1] >= bound.end:
+        beyond = min(beyond, threshold)  # (``bound`` holds the threshold from its end on)
+    suffix = np.maximum.accumulate(np.append(modulus, beyond)[::-1])[::-1]
     suffix.setflags(write=False)
+    if cut >= bound.end or not suffix[cut] <= threshold:
+        return DeadBound(bound.end, suffix, 1)
     return DeadBound(cut, suffix, 1)
 
 
