@@ -50,10 +50,17 @@ def schedule_ledger(runs: int = 10_000) -> list:
     return [(0.8 + 1.2 * i / (runs - 1), 0.002 * 10 ** (i / (runs - 1)), 100) for i in range(runs)]
 
 
+def step_schedule_ledger(steps: int = 10_000) -> list:
+    """A schedule that changes at every step: sigma from 1.5 down to 0.8 at q 0.01, one
+    step per pair (what a per-step noise schedule records)."""
+    return [(1.5 - 0.7 * t / steps, 0.01, 1) for t in range(steps)]
+
+
 def _ledgers():
     """(label, ledger, delta, target seconds or None)."""
     return [
         ("10^4-run schedule, delta 1e-5", schedule_ledger(), 1e-5, 0.5),
+        ("10^4 one-step pairs (sigma 1.5 -> 0.8, q 0.01)", step_schedule_ledger(), 1e-5, 0.5),
         ("T = 10^8 (sigma 1, q 1e-3)", [(1.0, 1e-3, 10**8)], 1e-5, 0.5),
         ("T = 10^7 (sigma 1, q 1e-3)", [(1.0, 1e-3, 10**7)], 1e-5, None),
         ("T = 5x10^6 (sigma 1, q 1e-3)", [(1.0, 1e-3, 5 * 10**6)], 1e-5, None),
@@ -167,11 +174,13 @@ def _growing_and_max_steps(repeat: int) -> None:
     print("| training-time question | answer | wall s | cpu s | target s |")
     print("| --- | --- | --- | --- | --- |")
     for label, ledger in (("10^4-run schedule", schedule_ledger()),
-                          ("100-run sigma schedule", [(1.0 + 0.01 * i, 0.01, 100) for i in range(100)])):
+                          ("100-run sigma schedule", [(1.0 + 0.01 * i, 0.01, 100) for i in range(100)]),
+                          ("10^4 one-step pairs", step_schedule_ledger())):
         ledger = [(_fresh(s), q, c) for s, q, c in ledger]
         epsilon_of_ledger(ledger, 1e-5)  # what the previous privacy_spent() computed
         sigma, q, count = ledger[-1]
-        grown = [*ledger[:-1], (sigma, q, count + 1)]
+        # the next step: one more of the last pair, or (changing every step) a new pair
+        grown = [*ledger, (sigma * 0.99995, q, 1)] if count == 1 else [*ledger[:-1], (sigma, q, count + 1)]
         value, wall, cpu = _time(lambda: epsilon_of_ledger(grown, 1e-5), 1)
         print(f"| {label}: one more step, privacy_spent() | {_show(value)} | {wall:.2f} | {cpu:.2f} | 0.5 |")
         budget = epsilon_of_ledger(ledger, 1e-5) * 1.02
