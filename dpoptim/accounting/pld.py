@@ -2516,7 +2516,7 @@ def _combined_end(deads: list, counts: list, n: int) -> int:
     together they are: every row of group ``g`` has modulus at most ``b_g`` from there on
     (:meth:`~.lowfreq.DeadBound.at`), so the product of all ``N_g`` steps of every group
     at most :math:`\prod_g b_g^{N_g} \le e^{-\_DEAD}`, zero in float64. A schedule that
-    changes at every step puts a few hundred steps in each group: none dies alone (at
+    changes at every step puts a hundred or so steps in each group: none dies alone (at
     q 0.01 a step's modulus stays near 1 for long), all of them together soon do."""
     end = min(dead.end for dead in deads)
 
