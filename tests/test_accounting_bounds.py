@@ -1316,10 +1316,27 @@ def test_max_steps_is_exact_at_the_boundary_on_a_ledger_of_many_pairs():
     assert epsilon_of_ledger([*spent, (1.5, 0.02, k + 1)], DELTA) > budget
 
 
+def _steps_until_the_budget_stops(opt, model, before_step=lambda taken: None, limit=10_000) -> int:
+    """Steps of ``opt`` on ``model`` (a linear layer of 3 inputs, batches of 4 zeros) until
+    its budget stop raises: how many were taken. ``before_step(taken)`` runs before each
+    (a schedule changing the settings); not stopping within ``limit`` steps fails."""
+    import torch
+
+    import dpoptim
+
+    x = torch.zeros(4, 3)
+    with pytest.raises(dpoptim.PrivacyBudgetExceeded):
+        for taken in range(limit):
+            before_step(taken)
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    return taken
+
+
 def test_the_optimizer_stops_exactly_at_the_budget_through_a_schedule():
     # The same accountant as privacy_spent(): the last step taken fits, the refused one
     # would not, also after the noise multiplier changed mid-way.
-    import torch
     from torch import nn
 
     import dpoptim
@@ -1329,15 +1346,12 @@ def test_the_optimizer_stops_exactly_at_the_budget_through_a_schedule():
     budget = 0.5 * sum(epsilon_of_ledger([(1.2, 0.2, 10), (0.9, 0.2, k)], DELTA) for k in (12, 13))
     opt = dpoptim.DPSGD(model.parameters(), lr=0.0, noise_multiplier=1.2, max_grad_norm=1.0,
                         expected_batch_size=4, sample_rate=0.2, max_epsilon=budget, delta=DELTA)
-    x = torch.zeros(4, 3)
-    taken = 0
-    with pytest.raises(dpoptim.PrivacyBudgetExceeded):
-        for taken in range(10_000):
-            if taken == 10:
-                opt.noise_multiplier = 0.9
-            opt.zero_grad()
-            model(x).sum().backward()
-            opt.step()
+
+    def schedule(taken):
+        if taken == 10:
+            opt.noise_multiplier = 0.9
+
+    taken = _steps_until_the_budget_stops(opt, model, before_step=schedule)
     ledger = opt.ledger
     assert ledger == ((1.2, 0.2, 10), (0.9, 0.2, 12)) and taken == 22
     assert opt.privacy_spent().epsilon <= budget
@@ -1364,7 +1378,6 @@ def test_the_optimizer_stops_at_a_budget_that_epsilon_0_still_meets():
     # Tiny sigma, budget 1e-6: epsilon is 0 while 1 - (1 - q)^T <= delta (356 steps at
     # q 1e-3, delta 0.3), then jumps to 132. The budget stop asked max_steps, which
     # divided by that 0 (ZeroDivisionError) instead of stopping.
-    import torch
     from torch import nn
 
     import dpoptim
@@ -1372,13 +1385,7 @@ def test_the_optimizer_stops_at_a_budget_that_epsilon_0_still_meets():
     model = nn.Linear(3, 1)
     opt = dpoptim.DPSGD(model.parameters(), lr=0.0, noise_multiplier=0.05, max_grad_norm=1.0,
                         expected_batch_size=4, sample_rate=1e-3, max_epsilon=1e-6, delta=0.3)
-    x = torch.zeros(4, 3)
-    taken = 0
-    with pytest.raises(dpoptim.PrivacyBudgetExceeded):
-        for taken in range(10_000):
-            opt.zero_grad()
-            model(x).sum().backward()
-            opt.step()
+    taken = _steps_until_the_budget_stops(opt, model)
     assert taken == math.floor(math.log(0.7) / math.log1p(-1e-3)) == 356
     assert opt.privacy_spent().epsilon == 0.0 < 1e-6 < epsilon(0.05, 1e-3, taken + 1, 0.3)
 
@@ -1599,7 +1606,6 @@ def test_the_budget_stop_follows_a_schedule_that_changes_every_step(monkeypatch)
     # A noise multiplier that changes at every step: the budget stop asks the accountant
     # whether one more step fits instead of searching max_steps at every step, and still
     # stops exactly where the reported epsilon would pass the budget.
-    import torch
     from torch import nn
 
     import dpoptim
@@ -1618,14 +1624,8 @@ def test_the_budget_stop_follows_a_schedule_that_changes_every_step(monkeypatch)
     model = nn.Linear(3, 1)
     opt = dpoptim.DPSGD(model.parameters(), lr=0.0, noise_multiplier=sigma_at(0), max_grad_norm=1.0,
                         expected_batch_size=4, sample_rate=0.2, max_epsilon=budget, delta=DELTA)
-    x = torch.zeros(4, 3)
-    taken = 0
-    with pytest.raises(dpoptim.PrivacyBudgetExceeded):
-        for taken in range(100):
-            opt.noise_multiplier = sigma_at(taken)
-            opt.zero_grad()
-            model(x).sum().backward()
-            opt.step()
+    taken = _steps_until_the_budget_stops(opt, model,
+                                          before_step=lambda t: setattr(opt, "noise_multiplier", sigma_at(t)))
     assert taken == 18 and opt.steps_taken == 18
     assert opt.privacy_spent().epsilon <= budget
     assert epsilon_of_ledger([*opt.ledger, (sigma_at(18), 0.2, 1)], DELTA) > budget
@@ -1636,7 +1636,6 @@ def test_the_budget_stop_asks_again_past_its_horizon(monkeypatch):
     # The budget stop asks max_steps for at most BUDGET_HORIZON steps (a search far beyond
     # a run's length can take minutes): with a horizon of 5 it asks again every 5 steps
     # and still stops exactly where the reported epsilon would pass the budget.
-    import torch
     from torch import nn
 
     import dpoptim
@@ -1650,13 +1649,7 @@ def test_the_budget_stop_asks_again_past_its_horizon(monkeypatch):
     model = nn.Linear(3, 1)
     opt = dpoptim.DPSGD(model.parameters(), lr=0.0, noise_multiplier=0.9, max_grad_norm=1.0,
                         expected_batch_size=4, sample_rate=0.2, max_epsilon=budget, delta=DELTA)
-    x = torch.zeros(4, 3)
-    taken = 0
-    with pytest.raises(dpoptim.PrivacyBudgetExceeded):
-        for taken in range(100):
-            opt.zero_grad()
-            model(x).sum().backward()
-            opt.step()
+    taken = _steps_until_the_budget_stops(opt, model)
     assert taken == 22 and opt.ledger == ((0.9, 0.2, 22),)
     assert epsilon_of_ledger([(0.9, 0.2, 23)], DELTA) > budget
     assert limits == [5] * 5  # at 0, 5, 10, 15 (5 fit each time) and 20 (2 fit): then the stop
