@@ -929,6 +929,95 @@ def test_the_mixture_tail_certificate_bounds_the_exact_composed_tail():
     assert pld_module._mixture_tail((group,), grids, spacing, 3.0) < 1e-2  # and not trivially 1
 
 
+@pytest.mark.parametrize("top", [0.3, 1.0, 2.5, 6.0])
+def test_the_mixture_tail_search_finds_the_best_lambda_of_its_grid(top):
+    # The certificate searches every fourth lambda, then the neighbours of the best: the
+    # exponent is convex in lambda, so that is the smallest over all of them. Against the
+    # exact exponents on every lambda (log-sum-exp of the grid masses, no library code).
+    from dpoptim.accounting.mixture import MixtureGroup
+
+    spacing = 2.0**-6
+    group = MixtureGroup(((0.8, 0.01), (1.2, 0.01), (0.8, 0.002)), np.array([[0.5, 0.25, 0.25], [0.0, 1.0, 0.0]]),
+                         (40, 25), (0.8, 0.01, 65))
+    grids = [pld_module._step_distribution(sigma, q, "remove", spacing, -400, 800) for sigma, q in group.anchors]
+    exact = []
+    for lam in pld_module._TAIL_LAMBDAS:
+        with np.errstate(divide="ignore", over="ignore"):
+            anchors = [np.logaddexp.reduce(np.log(masses) + lam * spacing * (first + np.arange(masses.size)))
+                       for first, masses, _ in grids]
+        rows = [np.logaddexp.reduce(np.log(np.maximum(w, 1e-300)) + np.array(anchors)) for w in group.weights]
+        exact.append(float(np.dot(group.counts, rows)) - lam * top)
+    best = math.exp(min(min(exact), 0.0))
+    found = pld_module._mixture_tail((group,), grids, spacing, top)
+    assert best * (1 - 1e-9) <= found <= best * (1 + 1e-6), (found, best)
+    assert int(np.argmin(exact)) % 4 or top == 6.0  # the best lambda lies between the coarse ones (but one)
+
+
+def test_smaller_tilts_come_first_where_nothing_is_certified_at_the_grids():
+    # A tilt far above the answer certifies nothing (inf, or the window's top): extended
+    # precision and larger tilts at it are then not tried where a quarter of the tilt
+    # answers without rounding deciding; where it does not, they are, and the smallest stands.
+    grid = pld_module._Grid(spacing=2.0**-10, i_low=-1024, n=2**14, tops={}, tail=0.0, tilt=8.0)
+    top = (grid.i_low + grid.n - 1) * grid.spacing
+
+    def run(answers, value):
+        asked = []
+
+        def compose(on, dtype):
+            asked.append((on.tilt, np.dtype(dtype) == np.float64))
+            return answers.get((on.tilt, np.dtype(dtype) == np.float64), (math.inf, True))
+        return pld_module._refined(compose, grid, value), asked
+
+    (value, binding), asked = run({(2.0, True): (0.05, False)}, math.inf)
+    assert (value, binding, asked) == (0.05, False, [(2.0, True)])
+    (value, binding), asked = run({(2.0, True): (0.05, False)}, top)  # certified only at the top
+    assert (value, binding, asked) == (0.05, False, [(2.0, True)])
+    extended = np.finfo(np.longdouble).eps < np.finfo(float).eps
+    answers = {(2.0, True): (0.07, True), (8.0, False): (0.06, True), (2.0, False): (0.065, True)}
+    (value, binding), asked = run(answers, math.inf)
+    assert binding and asked[0] == (2.0, True) and len(asked) == len(set(asked))  # none twice
+    assert value == (0.06 if extended else 0.07)
+    (value, binding), asked = run({(8.0, False): (0.04, False)}, 0.1)  # certified inside: as before
+    assert asked[0] == ((8.0, False) if extended else (2.0, True))
+
+
+def test_a_direction_whose_tilt_certified_nothing_starts_at_a_quarter_on_the_next_grid():
+    # An earlier grid of the same call certified nothing for removal at its tilt: on the
+    # next, a quarter of the tilt comes first and stands where rounding does not decide it.
+    grid = pld_module._Grid(spacing=2.0**-10, i_low=-1024, n=2**14, tops={}, tail=0.0, tilt=8.0)
+    for quarter, asked_expected in (((0.05, False), [2.0]), ((0.05, True), [2.0, 8.0])):
+        asked = []
+
+        def compose(direction, on, dtype, quarter=quarter):
+            asked.append(on.tilt)
+            return quarter if on.tilt == 2.0 else (math.inf, True)
+
+        uncertified = {"remove"}
+        found = pld_module._first_answer(compose, "remove", grid, uncertified)
+        assert asked == asked_expected and found == (quarter if not quarter[1] else (math.inf, True))
+    uncertified = set()  # a first grid: its tilt alone, and what it certified noted
+    pld_module._first_answer(lambda direction, on, dtype: (math.inf, True), "add", grid, uncertified)
+    pld_module._first_answer(lambda direction, on, dtype: (0.1, True), "remove", grid, uncertified)
+    assert uncertified == {"add"}
+
+
+def test_a_direction_settled_by_refinement_is_not_composed_on_a_coarser_grid(monkeypatch):
+    # Where refining settles a direction without rounding deciding, a coarser grid cannot
+    # lower it by more than what rounding there moves (at most delta / 100): it is tried
+    # only for directions that rounding still decides.
+    grid = pld_module._Grid(spacing=2.0**-10, i_low=-1024, n=2**14, tops={}, tail=0.0, tilt=8.0)
+    for quarter, expected in (((0.05, False), set()), ((0.05, True), {"remove"})):
+        answers = {("remove", 8.0): (math.inf, True), ("remove", 2.0): quarter, ("add", 8.0): (0.01, False)}
+
+        def compose(steps, direction, on, delta, dtype, **kwargs):
+            return answers.get((direction, on.tilt), (math.inf, True))
+
+        monkeypatch.setattr(pld_module, "_compose_direction", compose)
+        bound, split = set(), set()
+        found = pld_module._compose_on((), {"remove": 1e-6, "add": 1e-6}, grid, mixture=(), bound=bound, split=split)
+        assert found["remove"] == 0.05 and bound == expected and not split
+
+
 def test_cached_mixture_rows_belong_to_their_own_group(monkeypatch):
     # Two ledgers whose single group has the same corners and steps but its steps spread
     # over its pairs differently: the rows of one must never stand in for the other's
