@@ -497,6 +497,52 @@ def test_the_split_of_a_ledger_of_two_runs_is_bracketed():
     assert_bracketed(upper, lower, rel=0.01)
 
 
+def exact_profile(masses, losses, x):
+    """sum_k m_k (1 - e^{x - l_k})_+ of a nonnegative measure, directly."""
+    return float(np.sum(masses * np.maximum(1.0 - np.exp(x - losses), 0.0)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), spike=st.floats(0.5, 0.999999))
+def test_one_profile_of_all_the_bulks_bounds_each_runs_profile_of_the_others(seed, spike):
+    # delta_D(x) <= delta_B(x + f) / m with B = D * b: against both profiles computed
+    # directly from a random sub-probability D and a bulk b with a spike near 0 (tiny q).
+    rng = np.random.default_rng(seed)
+    h = 2.0**-8
+    d_first, d_masses = int(rng.integers(-50, 10)), rng.random(int(rng.integers(1, 60))) * rng.random()
+    b_first = int(rng.integers(-6, 0))
+    b_masses = np.concatenate([rng.random(-b_first) * 1e-3, [spike], rng.random(int(rng.integers(0, 40))) * 1e-3])
+    f, m = rare._kept_above((b_first, b_masses, 1), h)
+    assert 0.0 < m <= b_masses.sum() and b_masses[: int(round(f / h)) - b_first].sum() <= 2.0**-20 * b_masses.sum()
+    composed = np.convolve(d_masses, b_masses)
+    d_losses = (d_first + np.arange(d_masses.size)) * h
+    b_losses = (d_first + b_first + np.arange(composed.size)) * h
+    for x in np.linspace(d_losses[0] - 1.0, d_losses[-1] + 0.1, 97):
+        assert exact_profile(d_masses, d_losses, x) <= exact_profile(composed, b_losses, x + f) / m * (1 + 1e-12) + 1e-15
+
+
+def test_a_split_of_many_runs_reads_every_run_against_one_profile(monkeypatch):
+    # Beyond eight runs with tails, each run's profile of the other steps is bounded by one
+    # profile of all the bulks: epsilon within 0.1% of one profile per run (never below),
+    # bracketed by the rigorous lower bound, with a dozen fewer compositions.
+    runs = tuple((0.6 + 0.01 * i, 1e-6 * (1 + 0.1 * i), 40_000 + 5000 * i) for i in range(12))
+    delta = 1e-12
+    composed = []
+    inner = rare._term_profile
+    monkeypatch.setattr(rare, "_term_profile", lambda factors, *a, **k: composed.append(1) or inner(factors, *a, **k))
+    rare._split_epsilon.cache_clear()
+    shared = rare.split_epsilon(runs, "remove", delta, 0.5)
+    shared_compositions = len(composed)
+    monkeypatch.setattr(rare, "_OWN_PROFILES", 10**6)
+    rare._split_epsilon.cache_clear()
+    own = rare.split_epsilon(runs, "remove", delta, 0.5)
+    rare._split_epsilon.cache_clear()
+    assert shared is not None and own is not None and not shared[1]
+    assert len(composed) - shared_compositions >= shared_compositions + 10
+    assert own[0] <= shared[0] <= own[0] * 1.001, (shared, own)
+    assert_bracketed(shared[0], rare_lower.split_lower_bound(runs, "remove", delta, shared[0]), rel=0.01)
+
+
 def test_a_run_wholly_inside_the_bulk_has_no_tail_term():
     # Two runs, one cut: the first run's whole support lies between the floor and the cut,
     # so it has no tail of its own (its +inf mass is still counted). It crashed the split
