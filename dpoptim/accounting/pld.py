@@ -456,9 +456,10 @@ def _ungrouped_split(subsampled: list, deltas: dict, shift: float) -> dict | Non
 
 
 #: :func:`_ungrouped_split` splits ledgers of at most this many pairs, on windows of at
-#: most :data:`_UNGROUPED_SPLIT_POINTS` (each pair's bulk is transformed on the split's
-#: fine grid; where the windows do not fit, the attempt costs the less: 125 pairs at q
-#: 3.8e-5 to 9.2e-5 lost 3 s to it on 2^19 points, 0.4 s on 2^17).
+#: most :data:`_UNGROUPED_SPLIT_POINTS`. Each pair's bulk is transformed on the split's
+#: fine grid: at 128 pairs 0.3 to 0.6 GB, and 1.4 to 2.7 s (500 pairs: 4.4 GB and 42 s,
+#: where the mixture groups take 3 s). Where the windows do not fit, the attempt costs
+#: the less: 125 pairs at q 3.8e-5 to 9.2e-5 lost 3 s to it on 2^19 points, 0.4 s on 2^17.
 _UNGROUPED_SPLIT_PAIRS = 128
 _UNGROUPED_SPLIT_POINTS = 2**17
 
