@@ -56,12 +56,23 @@ def step_schedule_ledger(steps: int = 10_000) -> list:
     return [(1.5 - 0.7 * t / steps, 0.01, 1) for t in range(steps)]
 
 
+def tiny_q_schedule_ledger(pairs: int, sigmas: tuple, rates: tuple) -> list:
+    """One step per pair, sigma moving linearly and q geometrically between the two given:
+    a schedule at tiny q, where one rare loss decides epsilon."""
+    return [(sigmas[0] + (sigmas[1] - sigmas[0]) * t / pairs, rates[0] * (rates[1] / rates[0]) ** (t / pairs), 1)
+            for t in range(pairs)]
+
+
 def _ledgers():
     """(label, ledger, delta, target seconds or None)."""
     return [
         ("10^4-run schedule, delta 1e-5", schedule_ledger(), 1e-5, 0.5),
         ("10^4 one-step pairs (sigma 1.5 -> 0.8, q 0.01)", step_schedule_ledger(), 1e-5, 0.5),
         ("T = 10^8 (sigma 1, q 1e-3)", [(1.0, 1e-3, 10**8)], 1e-5, 0.5),
+        ("tiny q: 2,000 one-step pairs (sigma 1.2 -> 0.6, q 1e-4 -> 1e-5)",
+         tiny_q_schedule_ledger(2000, (1.2, 0.6), (1e-4, 1e-5)), 1e-5, None),
+        ("tiny q: 120 one-step pairs (sigma 0.95 -> 0.48, q 2.1e-5), delta 7.5e-6",
+         tiny_q_schedule_ledger(120, (0.9547, 0.4768), (2.0857e-5, 2.0857e-5)), 7.4614e-6, None),
         ("T = 10^7 (sigma 1, q 1e-3)", [(1.0, 1e-3, 10**7)], 1e-5, None),
         ("T = 5x10^6 (sigma 1, q 1e-3)", [(1.0, 1e-3, 5 * 10**6)], 1e-5, None),
         ("sigma 4.4, q 0.033, 10^8 steps, delta 4.2e-8 (one grid: +1.5%)", [(4.40371, 0.0332264, 10**8)],
