@@ -513,7 +513,7 @@ def test_one_profile_of_all_the_bulks_bounds_each_runs_profile_of_the_others(see
     d_first, d_masses = int(rng.integers(-50, 10)), rng.random(int(rng.integers(1, 60))) * rng.random()
     b_first = int(rng.integers(-6, 0))
     b_masses = np.concatenate([rng.random(-b_first) * 1e-3, [spike], rng.random(int(rng.integers(0, 40))) * 1e-3])
-    f, m = rare._kept_above((b_first, b_masses, 1), h)
+    f, m = rare._jensen_shift((b_first, b_masses, 1), h)
     assert 0.0 < m <= b_masses.sum() and abs(f) < 6 * h
     composed = np.convolve(d_masses, b_masses)
     d_losses = (d_first + np.arange(d_masses.size)) * h

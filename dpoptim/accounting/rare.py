@@ -272,10 +272,10 @@ def _others_profile(bulks: list, r: int, shared: _Profile | None, grid: tuple) -
     steps of run ``r`` and their untilted profile ``D`` (None: the window is too wide),
     or, where ``shared`` (all the bulks' profile) is given, the bound on ``D`` it gives:
     all the bulks, their profile shifted by ``shift`` and read ``1 / share`` times
-    (:func:`_kept_above`). ``grid``: ``(h, delta, dtype, transforms, points)``."""
+    (:func:`_jensen_shift`). ``grid``: ``(h, delta, dtype, transforms, points)``."""
     h, delta, dtype, transforms, points = grid
     if shared is not None:
-        shift, share = _kept_above(bulks[r], h)
+        shift, share = _jensen_shift(bulks[r], h)
         return bulks, _shifted(shared, shift), shift, share
     others = [(first, masses, c - (s == r)) for s, (first, masses, c) in enumerate(bulks) if c - (s == r)]
     others = others or [(0, _NOTHING, 1)]  # one step in all: its tail alone
@@ -589,11 +589,11 @@ def _composed(factors: list, h: float, i_low: int, n: int, tilt: float, dtype, t
 
 
 #: Above this many runs with tails of their own, the split bounds each run's profile of
-#: the other steps by one profile of all the bulks (:func:`_kept_above`), not one of its own.
+#: the other steps by one profile of all the bulks (:func:`_jensen_shift`), not one of its own.
 _OWN_PROFILES = 8
 
 
-def _kept_above(bulk: tuple, h: float) -> tuple[float, float]:
+def _jensen_shift(bulk: tuple, h: float) -> tuple[float, float]:
     r"""``(f, m)`` for one step's ``bulk`` ``(first, masses, count)`` on spacing ``h``: a lower
     bound ``m`` on its mass and ``f`` at most :math:`-\log(\sum_j b_j e^{-l_j} / m)`, so
     that every run's profile of the other steps is bounded by one profile of all the bulks:
