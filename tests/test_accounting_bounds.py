@@ -1080,6 +1080,17 @@ def test_a_direction_settled_by_refinement_is_not_composed_on_a_coarser_grid(mon
         assert found["remove"] == 0.05 and bound == expected and not split
 
 
+def test_a_ledger_of_mixture_groups_is_no_worse_than_the_run_that_dominates_it():
+    # 445 pairs from sigma 0.49 up at one q: every step is dominated by the smallest sigma,
+    # so epsilon is at most that run's (0 here: its total variation is below delta). The
+    # groups' anchors were cut above the corners the grid's tilt was chosen for, and what
+    # wrapped around the window came back e^45 times too heavy: 0.396.
+    sigma, q, delta = 0.4853181134475896, 6.719583876219683e-05, 0.019407731468728807
+    runs = [(sigma + (2.6928342715511535 - sigma) * t / 445, q, 5) for t in range(445)]
+    dominating = epsilon(sigma, q, 5 * 445, delta)
+    assert epsilon_of_ledger(runs, delta) <= dominating * (1 + 1e-9) + 1e-12
+
+
 def test_cached_mixture_rows_belong_to_their_own_group(monkeypatch):
     # Two ledgers whose single group has the same corners and steps but its steps spread
     # over its pairs differently: the rows of one must never stand in for the other's

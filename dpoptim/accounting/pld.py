@@ -2527,13 +2527,23 @@ def _beyond_combined_end(spectrum: np.ndarray, log_weight: np.ndarray, dead_log_
 
 def _anchor_ends(groups, direction: str, grid: _Grid, delta: float) -> dict:
     """Each anchor's lowest and highest grid index (:func:`_tail_ends`), its mass beyond
-    them budgeted over the steps of every group that uses it."""
+    them budgeted over the steps of every group that uses it, and its top no higher than
+    the highest of the groups' corners on ``grid`` (their mass above goes to +inf).
+
+    The grid's window and tilt are certified for the corners' distributions (the tilt
+    capped so that what wraps around the window stays far below delta). Each group's
+    heaviest anchor is its corner, but cut with this smaller budget its top reached the
+    window's: two such losses together wrap around, magnified by the untilting factor
+    ``e^{tilt * width}`` (e^45 for 129 pairs at q 2.1e-5, whose epsilon came out at 0.263
+    where 128 and 130 pairs give 0.0034 and 0.0037). Mass moved to +inf is counted in
+    full (:func:`_mixture_product`), so the cut is sound at any height."""
     uses: dict[tuple[float, float], int] = {}
     for group in groups:
         for anchor in group.anchors:
             uses[anchor] = uses.get(anchor, 0) + group.corner[2]
+    highest = max(grid.tops[direction]) if grid.tops and grid.tops.get(direction) else grid.i_low + grid.n - 1
     bottoms, tops = _tail_ends(tuple((sigma, q, count) for (sigma, q), count in uses.items()), grid.spacing,
-                               grid.i_low, grid.i_low + grid.n - 1, _TAIL_FRACTION * delta)
+                               grid.i_low, min(highest, grid.i_low + grid.n - 1), _TAIL_FRACTION * delta)
     return dict(zip(uses, zip(bottoms[direction], tops[direction])))
 
 
