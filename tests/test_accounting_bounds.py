@@ -214,7 +214,7 @@ def test_rounding_allowances_cover_the_measured_error(sigma, q, steps, delta, n)
     smaller = 0
     for direction in ("remove", "add"):
         items = [(sigma, q, direction, grid.spacing, grid.i_low if not grid.bottoms else grid.bottoms[direction][0],
-                  grid.tops[direction][0], steps)]
+                  grid.tops[direction][0], pld_module._thin_of(grid, direction), steps)]
         composed = {}
         for dtype in (np.float64, np.longdouble):
             parts = pld_module._product(items, grid, dtype, False)

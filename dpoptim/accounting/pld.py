@@ -619,6 +619,9 @@ class _Grid:
     ``tops[direction][r]`` is the highest grid index kept for step ``r`` (its mass above goes
     to +inf), ``tail`` a certified bound on the composed mass beyond the window top and
     ``tilt`` the exponential tilt used in the transform (see :func:`_direction_epsilon`).
+    ``thin[direction]`` (``None``: every point) is the tilt the steps' thinned
+    distributions serve (:func:`_thinned_points`), on grids whose certificates are
+    computed from the distributions themselves (:func:`_certified_grid`).
     """
 
     spacing: float
@@ -628,6 +631,12 @@ class _Grid:
     tail: float
     tilt: float
     bottoms: dict | None = None
+    thin: dict | None = None
+
+
+def _thin_of(grid: _Grid, direction: str) -> float | None:
+    """The tilt ``direction``'s thinned distributions serve on ``grid`` (None: not thinned)."""
+    return None if grid.thin is None else grid.thin[direction]
 
 
 def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, lower: bool = False,
@@ -1128,7 +1137,8 @@ def _own_tilt(steps: tuple, direction: str, grid: _Grid, delta: float) -> float 
     bottoms = grid.bottoms[direction] if grid.bottoms else (grid.i_low,) * len(steps)
     cgf = np.zeros_like(lambdas)
     for (sigma, q, count), bottom, top in zip(steps, bottoms, grid.tops[direction]):
-        first, masses, _ = _step_distribution(sigma, q, direction, grid.spacing, bottom, top)
+        first, masses, _ = _step_distribution(sigma, q, direction, grid.spacing, bottom, top,
+                                              thin=_thin_of(grid, direction))
         cgf = cgf + count * _log_mgf(first, masses, grid.spacing, lambdas)
     return _choose_tilt(lambdas, cgf, grid.n * grid.spacing, delta)
 
@@ -1626,10 +1636,12 @@ def _certified_grid(steps, n, spacing, low, top_guess, ends, lambdas, tail, delt
     bottoms = {d: tuple(min(max(top - n + 2, math.floor(f / spacing)), top) for f, top in zip(floors[d], tops[d]))
                for d in floors}
     beyond = (i_low + n) * spacing  # composed indices from here on would wrap
+    thin = {d: _thin_tilt(steps, d, lambdas, delta, floors[d], cuts[d]) for d in cuts}
+
     def composed_log_mgfs(direction):  # each direction's distributions, computed side by side
         cgf_up = cgf_down = 0.0
         for (sigma, q, count), bottom, top in zip(steps, bottoms[direction], tops[direction]):
-            first, masses, _ = _step_distribution(sigma, q, direction, spacing, bottom, top)
+            first, masses, _ = _step_distribution(sigma, q, direction, spacing, bottom, top, thin=thin[direction])
             cgf_up = cgf_up + count * _log_mgf(first, masses, spacing, lambdas)
             cgf_down = cgf_down + count * _log_mgf(first, masses, spacing, -lambdas)
         return cgf_up, cgf_down
@@ -1644,8 +1656,22 @@ def _certified_grid(steps, n, spacing, low, top_guess, ends, lambdas, tail, delt
     # e^{-tilt * width}: it can only raise delta, and here by a negligible amount.
     tilt = _choose_tilt(lambdas, cgf_max, n * spacing, delta)
     if log_up <= math.log(tail) and log_down - tilt * n * spacing <= math.log(16.0 * tail):
-        return _Grid(spacing, i_low, n, tops, math.exp(log_up), tilt, bottoms)
+        return _Grid(spacing, i_low, n, tops, math.exp(log_up), tilt, bottoms, thin)
     return None
+
+
+def _thin_tilt(steps: tuple, direction: str, lambdas: np.ndarray, delta: float, floors: tuple | None = None,
+               cuts: tuple | None = None) -> float:
+    """The tilt :func:`_thinned_points` serves for ``direction``: twice its Chernoff-optimal
+    lambda at ``delta`` (from moment generating functions by quadrature, of the losses
+    between ``floors`` and ``cuts`` where given; the tilts the transforms use are at most
+    about that), rounded up to a power of two."""
+    floors = floors or (-math.inf,) * len(steps)
+    cuts = cuts or (math.inf,) * len(steps)
+    cgf = sum(count * _loss_log_mgf(sigma, q, direction, floor, cut, lambdas)
+              for (sigma, q, count), floor, cut in zip(steps, floors, cuts))
+    best = float(lambdas[np.argmin((cgf - math.log(delta)) / lambdas)])
+    return 2.0 ** math.ceil(math.log2(2.0 * best))
 
 
 def _loss_of_z(z, sigma: float, q: float, direction: str):
@@ -1735,6 +1761,13 @@ def _loss_moments(sigma: float, q: float, direction: str, cut: float) -> tuple[f
         first += weight * float(_HERMITE_W @ kept)
         second += weight * float(_HERMITE_W @ kept**2)
     return first, max(second - first * first, 0.0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _mean_absolute_loss(sigma: float, q: float, direction: str) -> float:
+    """E_P|L| (Gauss-Hermite; a guide for :func:`_thinned_points` only)."""
+    return math.fsum(weight * float(_HERMITE_W @ np.abs(_loss_of_z(mean + sigma * _HERMITE_X, sigma, q, direction)))
+                     for weight, mean in _components(q, direction))
 
 
 def _loss_log_mgf(sigma, q, direction, floor: float, cut: float, lambdas: np.ndarray) -> np.ndarray:
@@ -1851,19 +1884,23 @@ def _support(sigma: float, q: float, direction: str, spacing: float, i_low: int,
 
 
 def _step_distribution(sigma: float, q: float, direction: str, spacing: float, i_low: int, i_high: int,
-                       optimistic: bool = False):
+                       optimistic: bool = False, thin: float | None = None):
     """:func:`_grid_distribution`, cached under one key whichever way it is called (the
     windows certified in :func:`_certified_grid` are then not computed again to compose)."""
-    return _grid_distribution(sigma, q, direction, spacing, i_low, i_high, bool(optimistic))
+    return _grid_distribution(sigma, q, direction, spacing, i_low, i_high, bool(optimistic),
+                              None if optimistic or thin is None else float(thin))
 
 
 @functools.lru_cache(maxsize=32)
 def _grid_distribution(sigma: float, q: float, direction: str, spacing: float, i_low: int, i_high: int,
-                       optimistic: bool):
+                       optimistic: bool, thin: float | None = None):
     r"""Connect-the-dots loss distribution of one step on grid points i_low..i_high.
 
     Returns ``(first, masses, p_inf)``: ``masses[k]`` is the P-mass at loss
     ``(first + k) * spacing`` and ``p_inf`` the mass at ``+inf``.
+
+    ``thin``: the tilt whose tilted distribution the points skipped in the tails may
+    spread by little (:func:`_thinned_points`; None: every point is kept).
 
     ``optimistic=True`` builds a *dominated* distribution instead, used only for lower
     bounds: the same bins, merged by :func:`_dominated_masses` onto the grid shifted by
@@ -1871,7 +1908,8 @@ def _grid_distribution(sigma: float, q: float, direction: str, spacing: float, i
     """
     # Keep to where the Gaussian components have mass; outside, bins are empty.
     lo, hi = _support(sigma, q, direction, spacing, i_low, i_high)
-    losses = np.arange(lo, hi + 1) * spacing
+    points = np.arange(lo, hi + 1) if thin is None else _thinned_points(sigma, q, direction, spacing, lo, hi, thin)
+    losses = points * spacing
     edges, log_n0, log_n1, log_p, log_qq = _bin_log_masses(sigma, q, direction, losses)
     p = np.exp(log_p)
     if optimistic:
@@ -1880,9 +1918,77 @@ def _grid_distribution(sigma: float, q: float, direction: str, spacing: float, i
         masses = _dominated_masses(p, log_qq, errors, lo, spacing, offset)
         masses.setflags(write=False)
         return lo, masses, 0.0
-    masses, p_inf = _connect_the_dots(p, log_p, log_qq, losses)
+    kept, p_inf = _connect_the_dots(p, log_p, log_qq, losses)
+    masses = np.zeros(hi - lo + 1)
+    masses[points - lo] = kept
     masses.setflags(write=False)
     return lo, masses, p_inf
+
+
+#: Where a step's support spans more than four probes of this many grid points, its
+#: connect-the-dots distribution may skip points where little of its mass lies
+#: (:func:`_thinned_points`).
+_THIN_PROBE = 512
+
+#: The points skipped may spread a step's loss by at most this share of what its bins
+#: on the full grid spread it by.
+_THIN_SHARE = 2.0**-6
+
+#: :func:`_thinned_points` weighs the mass untilted and at this many tilts, halving down
+#: from the one it serves.
+_THIN_TILTS = 10
+
+#: No bin of a thinned distribution is wider than this over the tilt it serves.
+_THIN_KINK = 2.0**-5
+
+
+def _thinned_points(sigma: float, q: float, direction: str, spacing: float, lo: int, hi: int,
+                    tilt: float) -> np.ndarray:
+    r"""The grid points (indices from ``lo`` to ``hi``, both kept) on which a step's
+    connect-the-dots distribution is built: every point where its mass lies, every
+    ``2^j``-th where little does.
+
+    **Sound at any points.** Connect-the-dots on *any* increasing points dominates the
+    step (each bin between two points keeps its P- and Q-mass, split between them: a
+    mean-preserving spread of :math:`e^{-L}`, Doroshenko et al. 2022); on fewer points
+    it is the full grid's distribution spread once more. Which points are kept is a
+    matter of tightness only, and the grids that thin certify their windows from the
+    thinned distributions themselves.
+
+    **Tight by a budget.** A bin of width ``H`` holding mass ``m`` spreads the loss by
+    a variance of at most :math:`m H^2 / 4`; on the full grid a step spreads it by
+    about :math:`h \min(\mathbb E_P|L|, h / 4)` (a loss far smaller than a bin becomes
+    a whole bin with chance :math:`|L|/h`, a wide one costs a quarter bin squared). The
+    support is cut into probes of :data:`_THIN_PROBE` points, and each keeps the widest
+    power-of-two spacing whose bins spread the loss by at most an equal share of
+    :data:`_THIN_SHARE` of that, at the probe's largest share of the mass untilted and
+    at ``tilt`` and its halves down to 2^-9 of it (``tilt`` is twice the Chernoff
+    tilt where delta is decided: a heavy tail that decides epsilon keeps its points).
+    That bounds a spread where the composed loss is smooth on a bin's scale. Where one
+    rare large loss decides epsilon, the composed loss near epsilon is that step's tail,
+    falling as :math:`e^{-\theta l}` at the tilt :math:`\theta`, and a bin of width
+    ``H`` across epsilon raises delta by about :math:`(\theta H)^2 / 8` of itself: no
+    bin is wider than :data:`_THIN_KINK` over ``tilt`` (0.08% on a schedule at q 3e-4
+    without that cap). At small q, whose rare large losses stretch the window while the
+    bins are sized for the body, the tails keep one point in 32 to 512 and a step one
+    in four to eight (q 1e-3 to 1e-5), whose distribution costs as many fewer
+    evaluations of the Gaussian tails."""
+    if hi - lo < 4 * _THIN_PROBE:
+        return np.arange(lo, hi + 1)
+    probes = np.append(np.arange(lo, hi, _THIN_PROBE), hi)
+    log_masses = _bin_log_masses(sigma, q, direction, probes * spacing)[3][1:-1]
+    tilts = np.concatenate([[0.0], tilt * 2.0 ** -np.arange(_THIN_TILTS)])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        weighted = log_masses + np.outer(tilts, probes[1:] * spacing)  # (each probe at its top, the heavier end)
+        share = np.exp((weighted - np.logaddexp.reduce(weighted, axis=1)[:, None]).max(axis=0))
+        budget = _THIN_SHARE * spacing * min(_mean_absolute_loss(sigma, q, direction), spacing / 4.0) / share.size
+        widest = np.nan_to_num(2.0 * np.sqrt(budget / share) / spacing, nan=1.0, posinf=_THIN_PROBE)
+    widest = np.minimum(widest, _THIN_KINK / (tilt * spacing))
+    strides = np.exp2(np.floor(np.log2(np.clip(widest, 1.0, _THIN_PROBE)))).astype(np.int64)
+    counts = -(-np.diff(probes) // strides)
+    before = np.cumsum(counts) - counts  # points kept in the probes before each
+    offsets = np.arange(int(counts.sum())) - np.repeat(before, counts)
+    return np.append(np.repeat(probes[:-1], counts) + offsets * np.repeat(strides, counts), hi)
 
 
 def _connect_the_dots(p: np.ndarray, log_p: np.ndarray, log_qq: np.ndarray, points: np.ndarray) -> tuple:
@@ -2079,27 +2185,29 @@ def _gauss_bins_error(x: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(out), np.inf, out)
 
 
-def _tilted_step(sigma, q, direction, spacing, i_low, i_high, tilt, optimistic=False):
+def _tilted_step(sigma, q, direction, spacing, i_low, i_high, tilt, optimistic=False, thin=None):
     """One step's tilted grid distribution: ``(first, tilted, p_inf, log_mgf)``.
 
     ``tilted[k]`` is ``m_k e^{tilt l_k} / M`` at loss ``(first + k) * spacing``, with
     ``M = sum_k m_k e^{tilt l_k}`` over the finite part and ``log_mgf = log M``; ``p_inf``
     is the mass at +inf.
     """
-    return _tilted(*_step_distribution(sigma, q, direction, spacing, i_low, i_high, optimistic), spacing, tilt)
+    return _tilted(*_step_distribution(sigma, q, direction, spacing, i_low, i_high, optimistic, thin), spacing,
+                   tilt)
 
 
 def _tilted(first: int, masses: np.ndarray, p_inf: float, spacing: float, tilt: float) -> tuple:
     """:func:`_tilted_step` of a grid distribution ``(first, masses, p_inf)``."""
-    losses = (first + np.arange(masses.size)) * spacing
-    with np.errstate(divide="ignore"):
-        log_tilted = np.log(masses) + tilt * losses
-    peak = log_tilted.max() if log_tilted.size else -math.inf
-    if peak == -math.inf:  # no finite mass (a dominated step whose every bin was dropped)
+    support = np.flatnonzero(masses)  # (a thinned step holds mass at few of its points)
+    if support.size == 0:  # no finite mass (a dominated step whose every bin was dropped)
         return first, np.zeros(masses.size), p_inf, -math.inf
-    tilted = np.exp(log_tilted - peak)
-    total = tilted.sum()
-    return first, tilted / total, p_inf, peak + math.log(total)
+    log_tilted = np.log(masses[support]) + tilt * (first + support) * spacing
+    peak = log_tilted.max()
+    kept = np.exp(log_tilted - peak)
+    total = kept.sum()
+    tilted = np.zeros(masses.size)
+    tilted[support] = kept / total
+    return first, tilted, p_inf, peak + math.log(total)
 
 
 #: A power ``|F|^c`` at most e^-_DEAD is zero in float64 (its smallest positive number is
@@ -2119,7 +2227,7 @@ _BATCH_POINTS = 2**22
 def _step_prefixes(items, n: int, tilt: float, dtype, optimistic: bool) -> list:
     r"""Each step's spectrum up to the frequency beyond which its ``count``-th power is dead.
 
-    ``items`` holds ``(sigma, q, direction, spacing, i_low, i_high, count)`` per step.
+    ``items`` holds ``(sigma, q, direction, spacing, i_low, i_high, thin, count)`` per step.
     Returns, per step, ``(prefix, log_beyond, p_inf, log_mgf)``: the first entries of the
     rfft (in ``dtype``) of the step's tilted distribution (:func:`_tilted_step`) placed
     circularly at index mod ``n``, and a bound ``log_beyond`` on :math:`\log|F_j|` for
@@ -2163,15 +2271,15 @@ def _cache_put(keys: list, entries: list) -> None:
 
 def _prefix_key(item, n, tilt, dtype, optimistic) -> tuple:
     """The cache key of a step's prefix: by the support, not the window (see :func:`_support`)."""
-    sigma, q, direction, spacing, i_low, i_high, _ = item
-    return (sigma, q, direction, spacing, *_support(sigma, q, direction, spacing, i_low, i_high), n, tilt,
+    sigma, q, direction, spacing, i_low, i_high, thin, _ = item
+    return (sigma, q, direction, spacing, *_support(sigma, q, direction, spacing, i_low, i_high), thin, n, tilt,
             np.dtype(dtype).str, optimistic)
 
 
 def _transform_batch(items, n: int, tilt: float, dtype, optimistic: bool) -> list:
     """The entries of :func:`_step_prefixes` for ``items``, by one 2-D transform."""
-    steps = [_tilted_step(sigma, q, direction, spacing, i_low, i_high, tilt, optimistic)
-             for sigma, q, direction, spacing, i_low, i_high, _ in items]
+    steps = [_tilted_step(sigma, q, direction, spacing, i_low, i_high, tilt, optimistic, thin)
+             for sigma, q, direction, spacing, i_low, i_high, thin, _ in items]
     spectra = _placed_transform([step[:2] for step in steps], n, dtype)
     rest = [step[2:] for step in steps]
     counts = np.array([item[-1] for item in items])
@@ -2307,7 +2415,8 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
     """
     n, spacing = grid.n, grid.spacing
     bottoms = grid.bottoms[direction] if grid.bottoms and not lower else (grid.i_low,) * len(steps)
-    items = [(sigma, q, direction, spacing, bottom, top, count)
+    thin = None if lower else _thin_of(grid, direction)
+    items = [(sigma, q, direction, spacing, bottom, top, thin, count)
              for (sigma, q, count), bottom, top in zip(steps, bottoms, grid.tops[direction])]
     tail = grid.tail
     if mixture is not None:
@@ -2439,8 +2548,9 @@ def _mixture_product(groups, direction, grid: _Grid, delta: float, dtype) -> tup
     """
     spacing, n = grid.spacing, grid.n
     ends = _anchor_ends(groups, direction, grid, delta)
-    distribution = _anchor_distributions(direction, spacing, ends)
-    spectra, alive = _group_spectra(groups, ends, direction, grid, dtype, distribution)
+    thin = grid.thin[direction] if grid.thin else _anchor_thin(tuple(g.corner for g in groups), direction, delta)
+    distribution = _anchor_distributions(direction, spacing, ends, thin)  # (thin: the tail's bound is its own)
+    spectra, alive = _group_spectra(groups, ends, direction, grid, dtype, (distribution, thin))
     real = np.empty(0, dtype=dtype).real.dtype
     sums = [np.zeros(alive, dtype=real), np.zeros(alive, dtype=real), np.zeros(alive)]
     cgf = log_finite = cgf_size = 0.0
@@ -2469,7 +2579,7 @@ def _mixture_product(groups, direction, grid: _Grid, delta: float, dtype) -> tup
     # one plus its size, far more than its rounding).
     tail = math.exp(min(cgf + 1e-12 * cgf_size - grid.tilt * top, 0.0)) if grid.tilt > 0 else 1.0
     if tail > grid.tail:
-        tail = min(tail, _cached_mixture_tail(groups, direction, ends, distribution, spacing, top))
+        tail = min(tail, _cached_mixture_tail(groups, (direction, thin), ends, distribution, spacing, top))
     # The anchors' transforms err by at most ``transform`` each (an FFT's, or the block
     # moments' of :mod:`.lowfreq`); mixing adds at most 8 units to each entry (four
     # products and sums, weights summing to 1), its logarithm and angle 8 more; summing
@@ -2487,14 +2597,24 @@ def _mixture_product(groups, direction, grid: _Grid, delta: float, dtype) -> tup
     return product, tail
 
 
-def _anchor_distributions(direction: str, spacing: float, ends: dict):
+@functools.lru_cache(maxsize=16)
+def _anchor_thin(corners: tuple, direction: str, delta: float) -> float:
+    """:func:`_thin_tilt` of mixture groups' ``corners`` (each dominates its group's rows)."""
+    return _thin_tilt(corners, direction, _THIN_LAMBDAS, delta)
+
+
+#: The lambdas :func:`_anchor_thin` searches.
+_THIN_LAMBDAS = np.geomspace(1e-3, 1e5, 65)
+
+
+def _anchor_distributions(direction: str, spacing: float, ends: dict, thin: float | None):
     """A function giving each anchor's grid distribution (:func:`_step_distribution` on its
     ``ends``), each computed once: the transforms and the tail bound may both need it."""
     distributions: dict = {}
 
     def distribution(anchor: tuple):
         if anchor not in distributions:
-            distributions[anchor] = _step_distribution(*anchor, direction, spacing, *ends[anchor])
+            distributions[anchor] = _step_distribution(*anchor, direction, spacing, *ends[anchor], thin=thin)
         return distributions[anchor]
     return distribution
 
@@ -2575,13 +2695,14 @@ def _mixed_rows(group, parts: list, prefixes: np.ndarray) -> tuple:
             float(counts @ np.log1p(-np.minimum(p_inf, 1.0))))
 
 
-def _group_spectra(groups, ends: dict, direction: str, grid: _Grid, dtype, distribution) -> tuple[list, int]:
+def _group_spectra(groups, ends: dict, direction: str, grid: _Grid, dtype, anchors: tuple) -> tuple[list, int]:
     """``(entries, alive)``: per group ``(key, transforms, dead, parts, error)``, its cache
     key, its anchors' transforms up to at least ``alive``, its
     :class:`~.lowfreq.DeadBound`, per anchor ``(p_inf, log_mgf)`` of :func:`_tilted` and
     the transforms' entrywise error bound; and ``alive``, the first frequency past which
     the composed transform is dead. ``ends`` maps each anchor to its lowest and highest
-    grid index, and ``distribution`` gives its distribution there.
+    grid index; ``anchors``: ``(distribution, thin)``, what gives its distribution there
+    and the tilt those are thinned for (:func:`_thinned_points`).
 
     A row's modulus is at most its anchors' largest (a mixture with weights summing to
     1), so the group's ``N`` steps compose to a modulus at most ``bound^N``: past the
@@ -2592,11 +2713,12 @@ def _group_spectra(groups, ends: dict, direction: str, grid: _Grid, dtype, distr
     cached like steps (:func:`_step_prefixes`): a ledger grown by a step usually changes
     one group, whose transforms alone are computed again.
     """
+    distribution, thin = anchors
     keys = []
     for group in groups:
         supports = tuple(_support(sigma, q, direction, grid.spacing, *ends[(sigma, q)]) for sigma, q in group.anchors)
         keys.append(("mixture", group.anchors, group.corner[2], direction, grid.spacing, supports, grid.n,
-                      grid.tilt, np.dtype(dtype).str))
+                      grid.tilt, np.dtype(dtype).str, thin))
     with _prefix_lock:
         out = [_prefix_cache.pop(key, None) for key in keys]
     tilted: dict = {}
@@ -2718,9 +2840,10 @@ def _dead_prefix(spectra: np.ndarray, rows: list, steps: int) -> tuple[np.ndarra
 _TAIL_LAMBDAS = np.geomspace(1e-3, 1e9, 49)
 
 
-def _cached_mixture_tail(groups, direction: str, ends: dict, distribution, spacing: float, top: float) -> float:
+def _cached_mixture_tail(groups, direction: tuple, ends: dict, distribution, spacing: float, top: float) -> float:
     """:func:`_mixture_tail` of the groups' anchors on their grid ``ends`` (``distribution``
-    gives an anchor's), kept for the last few asked: it depends on neither the tilt nor
+    gives an anchor's; ``direction``: with the tilt its distributions are thinned for,
+    which tells them apart), kept for the last few asked: it depends on neither the tilt nor
     the precision, which :func:`_refined` varies on one grid (at 2^19 points, 0.4 s a
     time for 21 groups)."""
     key = (direction, spacing, top, tuple((group.anchors, group.counts, group.weights.tobytes()) for group in groups),

@@ -1,0 +1,135 @@
+"""Thinned step distributions: connect-the-dots on fewer grid points where little mass lies.
+
+The PLD's grids are sized for the body of the loss; at small q a step's rare large losses
+stretch its support over hundreds of thousands of bins that hold almost no mass. Built on
+every ``2^j``-th point there (:func:`dpoptim.accounting.pld._thinned_points`), a step's
+distribution still dominates it (connect-the-dots on any points does), so thinning is a
+matter of tightness, which these tests hold to its budget, and of speed.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dpoptim.accounting import pld as pld_module
+from dpoptim.accounting import rare
+from dpoptim.accounting.pld import pld_epsilon
+
+
+def fresh_caches():
+    """Forget every cached distribution, transform and value: thinning changes none of their keys."""
+    pld_module._pld_epsilon.cache_clear()
+    pld_module._grid_distribution.cache_clear()
+    pld_module._prefix_cache.clear()
+    pld_module._tail_cache.clear()
+    pld_module._head_cache.clear()
+    rare._split_epsilon.cache_clear()
+
+
+def profile(first, masses, p_inf, spacing, epsilons):
+    losses = (first + np.arange(masses.size)) * spacing
+    return np.array([p_inf + float(masses @ np.maximum(-np.expm1(e - losses), 0.0)) for e in epsilons])
+
+
+steps = st.tuples(
+    st.floats(0.3, 3.0),  # sigma
+    st.floats(-6.0, -0.5).map(lambda e: 10.0**e),  # q
+    st.integers(-20, -8).map(lambda e: 2.0**e),  # spacing
+    st.integers(0, 10).map(lambda e: 2.0**e),  # the tilt served
+    st.sampled_from(["remove", "add"]),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(steps)
+def test_a_thinned_step_keeps_its_ends_and_spreads_the_loss_within_its_budget(step):
+    sigma, q, spacing, tilt, direction = step
+    lo, hi = pld_module._support(sigma, q, direction, spacing, -2**40, 2**40)
+    if hi - lo > 2**21:
+        return  # (a support the grids never hold)
+    points = pld_module._thinned_points(sigma, q, direction, spacing, lo, hi, tilt)
+    assert points[0] == lo and points[-1] == hi
+    gaps = np.diff(points)
+    assert np.all(gaps >= 1)
+    # no bin wider than the kink allows at the tilt served
+    assert np.all((gaps == 1) | (gaps * spacing <= pld_module._THIN_KINK / tilt))
+    # the bins skipped spread the loss by at most the budget: each bin's P-mass times
+    # its width squared over four, beyond what the full grid's bins would
+    masses = np.exp(pld_module._bin_log_masses(sigma, q, direction, points * spacing)[3][1:-1])
+    extra = float(masses @ ((gaps * spacing) ** 2 - spacing**2)) / 4.0
+    absolute = pld_module._mean_absolute_loss(sigma, q, direction)
+    assert extra <= pld_module._THIN_SHARE * spacing * min(absolute, spacing / 4.0) * 1.001 + 1e-300
+
+
+@settings(max_examples=40, deadline=None)
+@given(steps)
+def test_a_thinned_step_dominates_the_step_on_every_point(step):
+    # Connect-the-dots onto fewer points is connect-the-dots of the full grid's
+    # distribution again (each atom's P- and Q-mass kept, split between the two points
+    # around it): a mean-preserving spread of e^-L, so every privacy profile rises.
+    sigma, q, spacing, tilt, direction = step
+    lo, hi = pld_module._support(sigma, q, direction, spacing, -2**40, 2**40)
+    if hi - lo > 2**20:
+        return
+    full = pld_module._grid_distribution(sigma, q, direction, spacing, lo, hi, False, None)
+    thinned = pld_module._grid_distribution(sigma, q, direction, spacing, lo, hi, False, tilt)
+    assert thinned[0] == full[0] and thinned[1].size == full[1].size
+    assert thinned[2] == full[2]  # the mass at +inf: the top bin is the same
+    assert math.isclose(thinned[1].sum(), full[1].sum(), rel_tol=1e-9)
+    epsilons = np.concatenate([[-1.0, 0.0], (lo + (hi - lo) * np.linspace(0.0, 1.0, 25)) * spacing])
+    assert np.all(profile(*thinned, spacing, epsilons) >= profile(*full, spacing, epsilons) * (1 - 1e-9) - 1e-300)
+
+
+@settings(max_examples=25, deadline=None)
+@given(steps)
+def test_the_log_mgf_of_a_thinned_step_is_an_upper_bound_on_its_sum(step):
+    sigma, q, spacing, tilt, direction = step
+    lo, hi = pld_module._support(sigma, q, direction, spacing, -2**40, 2**40)
+    if hi - lo > 2**20:
+        return
+    first, masses, _ = pld_module._grid_distribution(sigma, q, direction, spacing, lo, hi, False, tilt)
+    lambdas = np.concatenate([-np.geomspace(1e-2, 1e6, 30)[::-1], [0.0], np.geomspace(1e-2, 1e6, 30)])
+    support = np.flatnonzero(masses)
+    exponents = np.outer(lambdas, (first + support) * spacing) + np.log(masses[support])
+    peak = exponents.max(axis=1)
+    exact = peak + np.log(np.exp(exponents - peak[:, None]).sum(axis=1))
+    bound = pld_module._log_mgf(first, masses, spacing, lambdas)
+    assert np.all(bound >= exact)
+    assert np.all(bound - exact <= 1e-11 * (1.0 + np.abs(exact)))
+
+
+LEDGERS = [
+    # sigma schedules at q 1e-4 and 1e-5: the tails thinned hundreds of times
+    ([(float(s), 1e-4, 1000) for s in np.geomspace(1.0, 0.8, 100)], 1e-5, True),
+    ([(float(s), 1e-5, 30_000) for s in np.geomspace(1.0, 0.8, 30)], 1e-6, True),
+    # one rare loss decides: without the cap on bins at the tilt it rose by 0.08%
+    ([(float(s), float(q), 2) for s, q in zip(np.geomspace(1.9106, 0.98176, 533), np.geomspace(6.217e-4, 2.957e-4, 533))],
+     2.6466e-9, True),
+    # few steps at a tiny delta: the heavy tail decides epsilon and keeps its points
+    ([(0.9, 0.02, 60), (1.5, 0.04, 40)], 1e-8, False),
+]
+
+
+@pytest.mark.parametrize("runs, delta, thins", LEDGERS)
+def test_thinning_moves_epsilon_by_little(monkeypatch, runs, delta, thins):
+    fresh_caches()
+    monkeypatch.setattr(pld_module, "_THIN_SHARE", 0.0)  # every point kept
+    full = pld_epsilon(runs, delta)
+    monkeypatch.undo()
+    fresh_caches()
+    thinned_points = []
+    thin = pld_module._thinned_points
+
+    def spy(sigma, q, direction, spacing, lo, hi, tilt):
+        points = thin(sigma, q, direction, spacing, lo, hi, tilt)
+        thinned_points.append((points.size, hi - lo + 1))
+        return points
+
+    monkeypatch.setattr(pld_module, "_thinned_points", spy)
+    thinned = pld_epsilon(runs, delta)
+    fresh_caches()
+    assert any(kept < size for kept, size in thinned_points) == thins
+    assert abs(thinned / full - 1.0) <= 1e-4, (thinned, full)
