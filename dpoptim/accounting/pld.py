@@ -1978,7 +1978,7 @@ def _thinned_points(sigma: float, q: float, direction: str, spacing: float, lo: 
     probes = np.append(np.arange(lo, hi, _THIN_PROBE), hi)
     log_masses = _bin_log_masses(sigma, q, direction, probes * spacing)[3][1:-1]
     tilts = np.concatenate([[0.0], tilt * 2.0 ** -np.arange(_THIN_TILTS)])
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         weighted = log_masses + np.outer(tilts, probes[1:] * spacing)  # (each probe at its top, the heavier end)
         share = np.exp((weighted - np.logaddexp.reduce(weighted, axis=1)[:, None]).max(axis=0))
         budget = _THIN_SHARE * spacing * min(_mean_absolute_loss(sigma, q, direction), spacing / 4.0) / share.size
