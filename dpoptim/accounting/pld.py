@@ -1764,10 +1764,16 @@ def _loss_moments(sigma: float, q: float, direction: str, cut: float) -> tuple[f
 
 
 @functools.lru_cache(maxsize=4096)
-def _mean_absolute_loss(sigma: float, q: float, direction: str) -> float:
-    """E_P|L| (Gauss-Hermite; a guide for :func:`_thinned_points` only)."""
-    return math.fsum(weight * float(_HERMITE_W @ np.abs(_loss_of_z(mean + sigma * _HERMITE_X, sigma, q, direction)))
-                     for weight, mean in _components(q, direction))
+def _mean_absolute_loss(sigma: float, q: float, direction: str, floor: float = -math.inf,
+                        cut: float = math.inf) -> float:
+    """E_P[|L|; floor <= L <= cut] by Gauss-Hermite quadrature (a guide for grids only:
+    :func:`_thinned_points`, the split's bulk spacing)."""
+    total = 0.0
+    for weight, mean in _components(q, direction):
+        losses = _loss_of_z(mean + sigma * _HERMITE_X, sigma, q, direction)
+        kept = (losses >= floor) & (losses <= cut)
+        total += weight * float(_HERMITE_W @ np.where(kept, np.abs(losses), 0.0))
+    return total
 
 
 def _loss_log_mgf(sigma, q, direction, floor: float, cut: float, lambdas: np.ndarray) -> np.ndarray:

@@ -168,21 +168,11 @@ def _bulk_spacing(steps: tuple, direction: str, spacing: float, scale: float, fl
     :math:`\ell` much smaller than a bin ``h`` becomes ``h`` with chance about
     :math:`\ell / h`, a variance of about :math:`h |\ell|`, so the composed variance grows
     by about :math:`h \sum_r c_r \mathbb E|L_r|` over the bulk (losses from ``floor`` to ``cut``)."""
-    absolute = math.fsum(count * _mean_absolute(sigma, q, direction, floor, cut) for sigma, q, count in steps)
+    absolute = math.fsum(count * _pld._mean_absolute_loss(sigma, q, direction, floor, cut) for sigma, q, count in steps)
     ratio = (_SPREAD_SHARE * scale) ** 2 / absolute if absolute > 0.0 else math.inf
     if not 0.0 < ratio < math.inf:
         return spacing
     return min(spacing, 2.0 ** math.floor(math.log2(ratio)))
-
-
-def _mean_absolute(sigma: float, q: float, direction: str, floor: float, cut: float) -> float:
-    """E_P[|L|; floor <= L <= cut] by Gauss-Hermite quadrature (a guide for the grid only)."""
-    total = 0.0
-    for weight, mean in _pld._components(q, direction):
-        losses = _pld._loss_of_z(mean + sigma * _pld._HERMITE_X, sigma, q, direction)
-        kept = (losses >= floor) & (losses <= cut)
-        total += weight * float(_pld._HERMITE_W @ np.where(kept, np.abs(losses), 0.0))
-    return total
 
 
 @functools.lru_cache(maxsize=16)
