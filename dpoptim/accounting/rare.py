@@ -562,7 +562,8 @@ def _composed(factors: list, h: float, i_low: int, n: int, tilt: float, dtype, t
         spectrum, log_abs, log_mgf = transforms[key]
         log_modulus = log_modulus + count * log_abs
         angle = angle + _pld._reduced_angles(spectrum.real, spectrum.imag, count)
-        log_weight = log_weight + (count - 1) * log_abs.astype(np.float64)
+        # (a factor taken once adds nothing: 0 times a log of 0 would be nan)
+        log_weight = log_weight + ((count - 1) * log_abs.astype(np.float64) if count > 1 else np.zeros(log_abs.shape))
         log_scale += count * log_mgf
     spectrum = _pld._polar(log_modulus, angle)
     composed = np.fft.irfft(spectrum, n)
