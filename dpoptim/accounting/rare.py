@@ -35,6 +35,8 @@ of a pair that dominates the true one (connect-the-dots, Doroshenko et al. 2022)
 epsilon read off it is never below the truth. The bulk's own grid is finer than the
 accountant's: connect-the-dots spreads a loss far smaller than a bin over the bin,
 adding about ``h`` times the mean absolute loss of the bulk to the composed variance.
+Over one long run at tiny q that asks for bins far finer than the window is wide, and
+the bulk is composed on two scales (:mod:`.twoscale`) where that is cheaper.
 
 Lower bounds on the same split are in :mod:`.rare_lower`.
 """
@@ -48,6 +50,7 @@ import math
 import numpy as np
 
 from . import pld as _pld
+from . import twoscale as _twoscale
 
 #: Share of delta the terms with two tail steps or more may take (upper bound).
 _BEYOND_SHARE = 2.0**-10
@@ -90,7 +93,10 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, agai
     coarser while a window does not fit, up to ``coarsest`` and none above it, whatever
     ``points``. ``whole``: where no tail reaches epsilon's
     scale, compose the steps whole on the fine grid (else None). ``enough``: an answer
-    below it is not sized anew (the caller needs no smaller one)."""
+    below it is not sized anew (the caller needs no smaller one). On :data:`_MAX_POINTS`
+    points the bulk of one run may be put on two scales (:mod:`.twoscale`); not for a
+    first look on fewer, where the grids answered quickly without it (sigma 0.95, q
+    2.9e-5, 301,604 steps: 0.07 s, against 0.6 s with it)."""
     if not (1e-100 < guess < math.inf) or not steps:
         return None  # (below 1e-100 the grid's squared scale would underflow)
     total = sum(count for _, _, count in steps)
@@ -99,7 +105,7 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, agai
         scale = 2.0 ** math.floor(math.log2(guess))  # the cache key holds the guess to within a factor of 2
         finest = finest_spacing(scale, total)
         found = _split_epsilon(tuple(steps), direction, delta, finest, scale, np.dtype(dtype).str, points, whole,
-                               spacings)
+                               spacings, points >= _MAX_POINTS)
         if found is None:
             return None if strict else answer
         answer = found
@@ -111,7 +117,8 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, agai
 
 @functools.lru_cache(maxsize=16)
 def _split_epsilon(steps: tuple, direction: str, delta: float, spacing: float, scale: float, dtype: str,
-                   points: int = _MAX_POINTS, whole: bool = False, spacings: tuple | None = None):
+                   points: int = _MAX_POINTS, whole: bool = False, spacings: tuple | None = None,
+                   blocks: bool = True):
     """:func:`split_epsilon` for one grid scale, bins at most ``spacing``: the tails to split
     off (a side whose tail cannot matter is kept in the bulk), then the finest spacing the
     bulk's spread asks for (at least ``spacings[0]``, where given), coarser while a window
@@ -123,6 +130,11 @@ def _split_epsilon(steps: tuple, direction: str, delta: float, spacing: float, s
     h = _bulk_spacing(steps, direction, spacing, scale, bottom if floor is None else floor,
                       reach if cut is None else cut)
     h = h if spacings is None else max(h, spacings[0])
+    # a long run's body in blocks, where worth it and allowed (``blocks``)
+    if blocks and spacings is None and len(steps) == 1 and h <= scale / 64.0:
+        found = _split_on(steps, direction, delta, h, (floor, cut), scale, dtype, points, blocks=True)
+        if found is not _TOO_WIDE:
+            return found
     while h <= (scale / 64.0 if spacings is None else min(scale / 64.0, spacings[1])):
         found = _split_on(steps, direction, delta, h, (floor, cut), scale, dtype, points)
         if found is not _TOO_WIDE:
@@ -201,7 +213,7 @@ def _cuts(steps: tuple, direction: str, delta: float) -> tuple[float, float]:
 
 
 def _split_on(steps: tuple, direction: str, delta: float, h: float, ends: tuple, scale: float, dtype,
-              points: int = _MAX_POINTS):
+              points: int = _MAX_POINTS, blocks: bool = False):
     """The split's ``(epsilon, rounding decides)`` with bulks on spacing ``h`` between the
     losses ``ends = (floor, cut)`` (None: no tail on that side; neither: each step whole
     is its bulk), or None where no bulk is left, or :data:`_TOO_WIDE` where a window
@@ -213,8 +225,15 @@ def _split_on(steps: tuple, direction: str, delta: float, h: float, ends: tuple,
     ``D_r`` the profile of the bulks without one step of run ``r`` (composed untilted:
     what it is read at lies in its body, and near it, where the tail is heavy), ``t_r``
     run ``r``'s tails at losses :math:`l_{r,j}`: exact for the discrete distributions,
-    and no transform spans a tail."""
+    and no transform spans a tail.
+
+    ``blocks`` (one run): its bulk on two scales (:mod:`.twoscale`), the split on the
+    coarse grid; :data:`_TOO_WIDE` where that is not worth it or does not fit."""
     tail_share = _pld._TAIL_FRACTION * delta
+    two = _two_scales(steps, direction, delta, h, ends, scale) if blocks else None
+    if blocks and two is None:
+        return _TOO_WIDE
+    h = h if two is None else two.spacing
     bottoms, tops = _pld._tail_ends(steps, h, -(2**62), 2**62, tail_share)
     bottoms, tops = bottoms[direction], tops[direction]
     if ends == (None, None):
@@ -227,22 +246,48 @@ def _split_on(steps: tuple, direction: str, delta: float, h: float, ends: tuple,
         return None
     if any(high - low > points for low, high in zip(lows, highs)):
         return _TOO_WIDE
-    bulks = [(low, _bulk(sigma, q, direction, h, low, high, low > bottom, high < top, step), count)
+    bulks = [(low, _bulk(sigma, q, direction, h, low, high, low > bottom, high < top, step), count) if two is None
+             else _twoscale.bulk(two, (sigma, q, count), direction, (low, high, low > bottom, high < top), step, delta)
              for (sigma, q, count), low, high, bottom, top in zip(steps, lows, highs, bottoms, tops)]
+    if any(bulk is None for bulk in bulks):
+        return _TOO_WIDE
     transforms: dict = {}
-    alone = _term_profile(bulks, h, delta, dtype, transforms=transforms, points=points)
+    alone = _term_profile(_factors(bulks), h, delta, dtype, transforms=transforms, points=points)
     if alone is None:
         return _TOO_WIDE
     tailed = [r for r in range(len(steps)) if lows[r] > bottoms[r] or highs[r] < tops[r]]
-    shared = _term_profile(bulks, h, delta, dtype, 0.0, transforms, points) if len(tailed) > _OWN_PROFILES else None
+    shared = (_term_profile(_factors(bulks), h, delta, dtype, 0.0, transforms, points)
+              if len(tailed) > _OWN_PROFILES else None)
+    terms = _tail_terms(steps, direction, bulks, (bottoms, lows, highs, tops), (h, delta, dtype, transforms, points),
+                        shared, scale)
+    if terms is None:
+        return _TOO_WIDE
+    readers, log_finite, weight = terms
+    # (blocks: what their windows send to +inf, in the product alone and in each tail's profile)
+    infinite = math.fsum(bulk.infinite for bulk in bulks if isinstance(bulk, _twoscale.Bulk)) * (1.0 + weight)
+    constant = (-math.expm1(log_finite) + weight * weight / 2.0 + infinite) * (1.0 + 1e-12)
+    found = _invert(alone, readers, constant, delta)
+    if found is None or not (found[1] or two is not None) or not readers:  # (on two scales the retilt is cheap)
+        return found
+    return _retilted(found, alone, readers, constant, delta, (h, dtype, transforms, points))
+
+
+def _tail_terms(steps: tuple, direction: str, bulks: list, ends: tuple, grid: tuple, shared, scale: float):
+    """For :func:`_split_on`: ``(readers, log_finite, weight)``, each tailed run's
+    :class:`_Tail` (read against its profile of the other steps), the log of the chance
+    that no step's loss is infinite, and the tails' weight :math:`\\sum_r c_r |t_r|`; None
+    where a profile's window is too wide. ``ends``: ``(bottoms, lows, highs, tops)``, grid
+    indices per run; ``grid``: ``(h, delta, dtype, transforms, points)``."""
+    bottoms, lows, highs, tops = ends
+    h, step = grid[0], scale * 2.0**-12  # the tails' finest bin
     readers, log_finite, weight = [], 0.0, 0.0
     for r, (sigma, q, count) in enumerate(steps):
-        if r not in tailed:  # the run lies wholly in the bulk: no term of its own
+        if lows[r] <= bottoms[r] and highs[r] >= tops[r]:  # the run lies wholly in the bulk: no term of its own
             log_finite += count * math.log1p(-_dots(sigma, q, direction, np.arange(lows[r], highs[r] + 1) * h)[1])
             continue
-        others, profile, shift, share = _others_profile(bulks, r, shared, (h, delta, dtype, transforms, points))
+        others, profile, shift, share = _others_profile(bulks, r, shared, grid)
         if profile is None:
-            return _TOO_WIDE
+            return None
         reach = float(profile.losses[-1] - profile.losses[0]) + 2.0 * scale
         start = 2.0 * scale - float(profile.losses[0])
         losses, masses, p_inf = _tails(sigma, q, direction, h, (bottoms[r], lows[r], highs[r], tops[r]), step,
@@ -250,11 +295,7 @@ def _split_on(steps: tuple, direction: str, delta: float, h: float, ends: tuple,
         readers.append(_Tail(count / share, masses, losses, profile, others, shift))
         weight += count * float(masses.sum())
         log_finite += count * math.log1p(-p_inf)
-    constant = (-math.expm1(log_finite) + weight * weight / 2.0) * (1.0 + 1e-12)
-    found = _invert(alone, readers, constant, delta)
-    if found is None or not found[1] or not readers:
-        return found
-    return _retilted(found, alone, readers, constant, delta, (h, dtype, transforms, points))
+    return readers, log_finite, weight
 
 
 def _others_profile(bulks: list, r: int, shared: _Profile | None, grid: tuple) -> tuple:
@@ -267,9 +308,34 @@ def _others_profile(bulks: list, r: int, shared: _Profile | None, grid: tuple) -
     if shared is not None:
         shift, share = _jensen_shift(bulks[r], h)
         return bulks, _shifted(shared, shift), shift, share
-    others = [(first, masses, c - (s == r)) for s, (first, masses, c) in enumerate(bulks) if c - (s == r)]
+    others = _factors(bulks, r)
     others = others or [(0, _NOTHING, 1)]  # one step in all: its tail alone
     return others, _term_profile(others, h, delta, dtype, 0.0, transforms, points), None, 1.0
+
+
+def _factors(bulks: list, r: int | None = None) -> list:
+    """The factors ``(first, masses, count)`` of the product of ``bulks`` (each a factor or a
+    :class:`~dpoptim.accounting.twoscale.Bulk`), with one step of run ``r`` fewer where given."""
+    out = []
+    for s, bulk in enumerate(bulks):
+        if isinstance(bulk, _twoscale.Bulk):
+            out.extend(bulk.fewer if s == r else bulk.factors)
+        elif bulk[2] - (s == r):
+            out.append((bulk[0], bulk[1], bulk[2] - (s == r)))
+    return out
+
+
+def _two_scales(steps: tuple, direction: str, delta: float, h: float, ends: tuple, scale: float):
+    """The plan of :mod:`.twoscale` for the bulk of a ledger of one run, between ``ends``
+    (``(floor, cut)``, None: the run's own end; neither: no split) on fine bins ``h``, or None."""
+    if len(steps) != 1 or ends == (None, None):
+        return None
+    run = steps[0]
+    sigma, q, _ = run
+    floor, cut = ends
+    low = float(_pld._loss_of_z(-_pld._GAUSS_TAIL * sigma, sigma, q, direction)) if floor is None else floor
+    high = float(_pld._loss_of_z(1.0 + _pld._GAUSS_TAIL * sigma, sigma, q, direction)) if cut is None else cut
+    return _twoscale.plan(run, direction, h, (low, high), scale, (_SPREAD_SHARE * scale) ** 2, delta)
 
 
 def _retilted(found: tuple, alone: _Profile, readers: list, constant: float, delta: float, grid: tuple) -> tuple:
