@@ -59,7 +59,7 @@ def both_grids(sigma, q, count, delta, direction):
     return plan, blocks, (low * ratio, fine), h
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(long_runs())
 def test_the_two_scale_bulk_bounds_the_one_fine_grid_and_stays_close(run):
     sigma, q, count, delta, direction = run
