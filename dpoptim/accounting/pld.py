@@ -2019,6 +2019,13 @@ def _connect_the_dots(p: np.ndarray, log_p: np.ndarray, log_qq: np.ndarray, poin
     return masses, float(p[-1] * (1.0 - kept))
 
 
+def _dots(sigma: float, q: float, direction: str, points: np.ndarray) -> tuple[np.ndarray, float]:
+    """One step's connect-the-dots on increasing grid ``points`` (any gaps): ``(masses,
+    p_inf)`` (:func:`_connect_the_dots`)."""
+    _, _, _, log_p, log_qq = _bin_log_masses(sigma, q, direction, points)
+    return _connect_the_dots(np.exp(log_p), log_p, log_qq, points)
+
+
 def _bin_log_masses(sigma: float, q: float, direction: str, losses: np.ndarray) -> tuple:
     """``(edges, log_n0, log_n1, log_p, log_qq)`` of one step's bins of ``z`` cut where its
     loss crosses ``losses``: (-inf, l_0], (l_0, l_1], ..., (l_last, inf). ``edges`` in

@@ -283,7 +283,8 @@ def _tail_terms(steps: tuple, direction: str, bulks: list, ends: tuple, grid: tu
     readers, log_finite, weight = [], 0.0, 0.0
     for r, (sigma, q, count) in enumerate(steps):
         if lows[r] <= bottoms[r] and highs[r] >= tops[r]:  # the run lies wholly in the bulk: no term of its own
-            log_finite += count * math.log1p(-_dots(sigma, q, direction, np.arange(lows[r], highs[r] + 1) * h)[1])
+            p_inf = _pld._dots(sigma, q, direction, np.arange(lows[r], highs[r] + 1) * h)[1]
+            log_finite += count * math.log1p(-p_inf)
             continue
         others, profile, shift, share = _others_profile(bulks, r, shared, grid)
         if profile is None:
@@ -376,7 +377,7 @@ def _bulk(sigma, q, direction, h, low: int, high: int, below: bool, above: bool,
     tail's, :func:`_tails`, or where there is no upper tail, accounted there too)."""
     points = np.arange(low, high + 1) * h
     points = np.concatenate([[low * h - step] if below else [], points, [high * h + step] if above else []])
-    masses, _ = _dots(sigma, q, direction, points)
+    masses, _ = _pld._dots(sigma, q, direction, points)
     return masses[int(below): masses.size - int(above)]
 
 
@@ -391,16 +392,16 @@ def _tails(sigma, q, direction, h, grid: tuple, step: float, reach: tuple) -> tu
     losses, masses, p_inf = [], [], 0.0
     if low > bottom:
         points = low * h - _tail_points(0.0, step, reach[0], (low - bottom) * h)[::-1]
-        part, _ = _dots(sigma, q, direction, points)
+        part, _ = _pld._dots(sigma, q, direction, points)
         losses.append(points[:-1])
         masses.append(part[:-1])
     if high < top:
         points = _tail_points(high * h, step, max(reach[1], high * h + step), top * h)
-        part, p_inf = _dots(sigma, q, direction, points)
+        part, p_inf = _pld._dots(sigma, q, direction, points)
         losses.append(points[1:])
         masses.append(part[1:])
     else:
-        p_inf = _dots(sigma, q, direction, np.arange(low, high + 1) * h)[1]
+        p_inf = _pld._dots(sigma, q, direction, np.arange(low, high + 1) * h)[1]
     return np.concatenate(losses), np.concatenate(masses), p_inf
 
 
@@ -433,13 +434,6 @@ def _tail_points(a: float, step: float, start: float, top: float) -> np.ndarray:
     count = math.ceil(math.log1p((top - fine[-1]) / step * (ratio - 1.0)) / math.log(ratio))
     far = fine[-1] + step * np.expm1(np.arange(1, count + 1) * math.log(ratio)) / (ratio - 1.0)
     return np.concatenate([fine, far[far < top], [top]])
-
-
-def _dots(sigma: float, q: float, direction: str, points: np.ndarray) -> tuple[np.ndarray, float]:
-    """Connect-the-dots on increasing grid ``points`` (any gaps): ``(masses, p_inf)``
-    (:func:`~dpoptim.accounting.pld._connect_the_dots`)."""
-    _, _, _, log_p, log_qq = _pld._bin_log_masses(sigma, q, direction, points)
-    return _pld._connect_the_dots(np.exp(log_p), log_p, log_qq, points)
 
 
 class _Profile:

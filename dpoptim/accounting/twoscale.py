@@ -168,16 +168,10 @@ def _body_masses(sigma: float, q: float, direction: str, h: float, a: float, b: 
     first, last = math.floor(a / h), math.ceil(b / h)
     if last - first > _MAX_BODY:
         return first, None
-    masses, _ = _pld._connect_the_dots(*_dotted(sigma, q, direction, np.arange(first, last + 1) * h))
+    masses, _ = _pld._dots(sigma, q, direction, np.arange(first, last + 1) * h)
     masses = masses[1:-1]  # (the end points also hold what lies beyond them)
     total = float(masses.sum())
     return first + 1, (masses / total if total > 0 else None)
-
-
-def _dotted(sigma: float, q: float, direction: str, points: np.ndarray) -> tuple:
-    """The arguments of :func:`~dpoptim.accounting.pld._connect_the_dots` on ``points``."""
-    _, _, _, log_p, log_qq = _pld._bin_log_masses(sigma, q, direction, points)
-    return np.exp(log_p), log_p, log_qq, points
 
 
 def _coarse_spacing(h: float, count: int, length: int, variance: float, outside: float,
@@ -214,7 +208,7 @@ def bulk(plan: Plan, run: tuple, direction: str, grid: tuple, step: float, delta
     fine = np.arange(a * ratio, b * ratio + 1) * h
     points = np.concatenate([[low * H - step] if below else [], np.arange(low, a) * H, fine,
                              np.arange(b + 1, high + 1) * H, [high * H + step] if above else []])
-    masses, _ = _pld._connect_the_dots(*_dotted(sigma, q, direction, points))
+    masses, _ = _pld._dots(sigma, q, direction, points)
     masses = masses[int(below): masses.size - int(above)]
     under, body, over = masses[: a - low], masses[a - low: a - low + fine.size], masses[a - low + fine.size:]
     s = math.fsum(body)
