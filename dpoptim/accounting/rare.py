@@ -132,7 +132,8 @@ def _split_epsilon(steps: tuple, direction: str, delta: float, spacing: float, s
     h = h if spacings is None else max(h, spacings[0])
     # a long run's body in blocks, where worth it and allowed (``blocks``)
     if blocks and spacings is None and len(steps) == 1 and h <= scale / 64.0:
-        found = _split_on(steps, direction, delta, h, (floor, cut), scale, dtype, points, blocks=True)
+        span = (bottom if floor is None else floor, reach if cut is None else cut)
+        found = _split_on(steps, direction, delta, h, (floor, cut), scale, dtype, points, blocks=span)
         if found is not _TOO_WIDE:
             return found
     while h <= (scale / 64.0 if spacings is None else min(scale / 64.0, spacings[1])):
@@ -213,7 +214,7 @@ def _cuts(steps: tuple, direction: str, delta: float) -> tuple[float, float]:
 
 
 def _split_on(steps: tuple, direction: str, delta: float, h: float, ends: tuple, scale: float, dtype,
-              points: int = _MAX_POINTS, blocks: bool = False):
+              points: int = _MAX_POINTS, blocks: tuple | None = None):
     """The split's ``(epsilon, rounding decides)`` with bulks on spacing ``h`` between the
     losses ``ends = (floor, cut)`` (None: no tail on that side; neither: each step whole
     is its bulk), or None where no bulk is left, or :data:`_TOO_WIDE` where a window
@@ -227,10 +228,11 @@ def _split_on(steps: tuple, direction: str, delta: float, h: float, ends: tuple,
     run ``r``'s tails at losses :math:`l_{r,j}`: exact for the discrete distributions,
     and no transform spans a tail.
 
-    ``blocks`` (one run): its bulk on two scales (:mod:`.twoscale`), the split on the
-    coarse grid; :data:`_TOO_WIDE` where that is not worth it or does not fit."""
+    ``blocks`` (one run): the losses its bulk spans, put on two scales (:mod:`.twoscale`),
+    the split on the coarse grid; :data:`_TOO_WIDE` where that is not worth it or does
+    not fit."""
     tail_share = _pld._TAIL_FRACTION * delta
-    two = _two_scales(steps, direction, delta, h, ends, scale) if blocks else None
+    two = _two_scales(steps, direction, delta, h, ends, scale, blocks) if blocks else None
     if blocks and two is None:
         return _TOO_WIDE
     h = h if two is None else two.spacing
@@ -326,17 +328,13 @@ def _factors(bulks: list, r: int | None = None) -> list:
     return out
 
 
-def _two_scales(steps: tuple, direction: str, delta: float, h: float, ends: tuple, scale: float):
-    """The plan of :mod:`.twoscale` for the bulk of a ledger of one run, between ``ends``
-    (``(floor, cut)``, None: the run's own end; neither: no split) on fine bins ``h``, or None."""
+def _two_scales(steps: tuple, direction: str, delta: float, h: float, ends: tuple, scale: float, span: tuple):
+    """The plan of :mod:`.twoscale` for the bulk of a ledger of one run on fine bins ``h``,
+    spanning the losses ``span``, or None (also where ``ends``, ``(floor, cut)``, split
+    off no tail)."""
     if len(steps) != 1 or ends == (None, None):
         return None
-    run = steps[0]
-    sigma, q, _ = run
-    floor, cut = ends
-    low = float(_pld._loss_of_z(-_pld._GAUSS_TAIL * sigma, sigma, q, direction)) if floor is None else floor
-    high = float(_pld._loss_of_z(1.0 + _pld._GAUSS_TAIL * sigma, sigma, q, direction)) if cut is None else cut
-    return _twoscale.plan(run, direction, h, (low, high), scale, (_SPREAD_SHARE * scale) ** 2, delta)
+    return _twoscale.plan(steps[0], direction, h, span, scale, (_SPREAD_SHARE * scale) ** 2, delta)
 
 
 def _retilted(found: tuple, alone: _Profile, readers: list, constant: float, delta: float, grid: tuple) -> tuple:
