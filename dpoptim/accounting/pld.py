@@ -1827,11 +1827,36 @@ def _log_mgf(first: int, masses: np.ndarray, spacing: float, lambdas: np.ndarray
             terms = np.log(sums) + np.log(largest[rows])[:, None] + np.outer(centres, rates)
         peak = terms.max(axis=0)
         out[blocked] = peak + np.log(np.exp(terms - peak).sum(axis=0))
-    for k in np.flatnonzero(~blocked):
-        exponent = lambdas[k] * (first + support) * spacing + np.log(masses[support])
+    if not blocked.all():
+        out[~blocked] = _steep_log_mgf(first + support, np.log(masses[support]), spacing, lambdas[~blocked])
+    return out + 1e-12 * (1.0 + np.abs(out))
+
+
+def _steep_log_mgf(indices: np.ndarray, log_masses: np.ndarray, spacing: float, lambdas: np.ndarray) -> np.ndarray:
+    r""":math:`\log \sum_k m_k e^{\lambda l_k}` entry by entry in log space, for lambdas so
+    steep that the support's far end decides it (:func:`_log_mgf`; ``indices`` increasing).
+
+    Every term is at most :math:`\lambda l_k + \max \log m`, and the sum's largest term is
+    at least the end term's (the last one for lambda > 0, the first below 0), so a term
+    whose bound lies :data:`_UNDERFLOW` below that is exactly 0 in float64 once divided
+    by the largest: only the entries near the end are summed, a few hundred bins at such
+    rates instead of the whole support."""
+    out = np.empty(lambdas.shape)
+    top = float(log_masses.max())
+    for k, rate in enumerate(lambdas):
+        end = -1 if rate > 0.0 else 0
+        floor = rate * indices[end] * spacing + log_masses[end] - _UNDERFLOW - top  # terms' bound below it: 0
+        reach = floor / (rate * spacing)  # index past which (up, or down below 0) no term is 0
+        kept = (slice(int(np.searchsorted(indices, math.floor(reach))), None) if rate > 0.0
+                else slice(None, int(np.searchsorted(indices, math.ceil(reach), side="right"))))
+        exponent = rate * indices[kept] * spacing + log_masses[kept]
         peak = exponent.max()
         out[k] = peak + math.log(np.exp(exponent - peak).sum())
-    return out + 1e-12 * (1.0 + np.abs(out))
+    return out
+
+
+#: exp of anything this far below 1 is exactly 0 in float64 (subnormals end near e^-745).
+_UNDERFLOW = 800.0
 
 
 #: Bins per block of :func:`_log_mgf`.
