@@ -1694,6 +1694,32 @@ def test_a_schedule_is_composed_on_a_coarser_grid(monkeypatch):
     assert chosen <= pld_epsilon(runs, DELTA, grid_points=2**18) * (1 + 1e-3)
 
 
+def test_a_long_schedule_at_small_q_takes_one_grid_size_fewer_for_a_tenth_of_a_percent(monkeypatch):
+    # 100 sigma levels at q 1e-4 over 10^5 steps: the strict spread test asks for 2^20
+    # points, where each of the schedule's transforms costs tens of milliseconds. Four
+    # times the spread (ledgers of eight pairs or more, grids of 2^19 points or more)
+    # composes on fewer points and moves epsilon by under 0.1% (0.017% measured).
+    runs = [(float(s), 1e-4, 1000) for s in np.linspace(1.2, 0.6, 100)]
+
+    def composed() -> tuple:
+        sizes = []
+        compose_on = pld_module._compose_on
+        monkeypatch.setattr(pld_module, "_compose_on",
+                            lambda s, d, grid, **kw: sizes.append(grid.n) or compose_on(s, d, grid, **kw))
+        pld_module._pld_epsilon.cache_clear()
+        value = pld_epsilon(runs, 1e-6)
+        monkeypatch.setattr(pld_module, "_compose_on", compose_on)
+        return value, max(sizes)
+
+    # one run keeps the strict test (see test_tiny_sample_rate_with_epsilon_far_below_the_window_cuts_shorter)
+    assert pld_module._spread_allowed(2**20, 1) == pld_module._SPREAD_SHARE < pld_module._spread_allowed(2**20, 8)
+    loose, loose_points = composed()
+    monkeypatch.setattr(pld_module, "_SCHEDULE_SPREAD_SHARE", pld_module._SPREAD_SHARE)
+    strict, strict_points = composed()
+    assert loose_points < strict_points
+    assert abs(loose / strict - 1.0) <= 1e-3
+
+
 def test_a_grid_guessed_too_coarse_is_refined_on_the_pld_answer(monkeypatch):
     # The grid is first sized on the RDP epsilon (above the PLD's); where that guess is far
     # too high, the check on the PLD's own answer refines the grid: an absurd guess ends
