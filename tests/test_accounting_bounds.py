@@ -1661,6 +1661,36 @@ def test_block_moment_generating_function_bounds_the_plain_sum(sigma, q, directi
         assert plain <= bound <= plain + 1e-11 * (1.0 + abs(plain))
 
 
+@settings(max_examples=30, deadline=None)
+@given(sigma=st.floats(0.05, 20.0), q=st.floats(1e-7, 1.0), direction=st.sampled_from(["remove", "add"]),
+       losses=st.lists(st.floats(-50.0, 50.0), min_size=1, max_size=20))
+def test_the_masses_either_side_of_many_losses_are_each_ones_two_bins(sigma, q, direction, losses):
+    # The split's cuts ask for the P-mass at or below and above many losses at once; for
+    # each it is exactly what the bins of that loss alone give (the bisections depend on it).
+    losses = np.array(losses + [0.0])
+    below, above = pld_module._split_log_masses(sigma, q, direction, losses)
+    for k, loss in enumerate(losses):
+        alone = pld_module._bin_log_masses(sigma, q, direction, np.array([loss]))[3]
+        assert (below[k], above[k]) == (alone[0], alone[1])
+
+
+@settings(max_examples=30, deadline=None)
+@given(threshold=st.floats(-1.0, 1.0), rounds=st.integers(0, 70), depth=st.integers(1, 8),
+       reverse=st.booleans())
+def test_bisecting_many_points_at_once_ends_where_one_at_a_time_does(threshold, rounds, depth, reverse):
+    inside, outside = (1.0, -1.0) if reverse else (-1.0, 1.0)
+    holds = (lambda x: x >= threshold) if reverse else (lambda x: x <= threshold)
+    calls = []
+
+    def holds_at(points):
+        calls.append(points.size)
+        return np.array([holds(float(x)) for x in points])
+
+    one = pld_module._bisected(holds, inside, outside, rounds)
+    assert pld_module._bisected_many(holds_at, inside, outside, rounds, depth) == one
+    assert len(calls) <= -(-rounds // depth)
+
+
 # --- the grid chosen per ledger ----------------------------------------------------------
 
 

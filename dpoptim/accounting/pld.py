@@ -1767,6 +1767,34 @@ def _bisected(holds, inside: float, outside: float, rounds: int, relative: float
     return inside
 
 
+def _bisected_many(holds_at, inside: float, outside: float, rounds: int, depth: int = 6) -> float:
+    """:func:`_bisected` (``relative`` 0) where ``holds_at`` answers for an array of points
+    in one call: the midpoints of the next ``depth`` halvings, every way they can go, are
+    asked together (each the very float the halvings compute), then walked as
+    :func:`_bisected` would. Where one call costs about as much as a single point, that
+    is ``depth`` times fewer calls for the same answer."""
+    while rounds > 0:
+        levels = min(depth, rounds)
+        # node i: an interval; its children 2i + 1 (where its midpoint holds) and 2i + 2
+        nodes = [(inside, outside)]
+        for i in range((1 << (levels - 1)) - 1):
+            low, high = nodes[i]
+            middle = 0.5 * (low + high)
+            nodes += [(middle, high), (low, middle)]
+        middles = [0.5 * (low + high) for low, high in nodes]
+        answers = holds_at(np.array(middles))
+        i = 0
+        for _ in range(levels):
+            if middles[i] in (inside, outside):
+                return inside
+            if answers[i]:
+                inside, i = middles[i], 2 * i + 1
+            else:
+                outside, i = middles[i], 2 * i + 2
+        rounds -= levels
+    return inside
+
+
 _HERMITE_X, _HERMITE_W = np.polynomial.hermite_e.hermegauss(96)
 _HERMITE_W = _HERMITE_W / math.sqrt(2.0 * math.pi)
 
@@ -1904,6 +1932,26 @@ def _log_r(losses: np.ndarray, q: float, direction: str) -> np.ndarray:
         log_1mq = math.log1p(-q) if q < 1 else -math.inf
         out = log_q + losses - np.log(-np.expm1(losses + log_1mq))
         return np.where(np.isnan(out), np.inf, out)
+
+
+def _split_log_masses(sigma: float, q: float, direction: str, losses: np.ndarray) -> tuple:
+    """``(at_or_below, above)``: the log P-masses of one step's loss at or below, and above,
+    each of ``losses`` (any order): for each point what :func:`_bin_log_masses` gives
+    for its two bins, computed for all points at once."""
+    z = sigma * sigma * _log_r(losses, q, direction) + 0.5
+    sides = []
+    for mean in (0.0, 1.0):  # N(0, s^2), N(1, s^2): each side is the smaller tail, or 1 less it
+        x = (z - mean) / sigma
+        tail = log_ndtr(-np.abs(x))
+        with np.errstate(divide="ignore"):
+            rest = np.log1p(-np.exp(tail))
+        sides.append(tuple(np.where(np.isnan(side), -np.inf, side)
+                           for side in (np.where(x > 0, rest, tail), np.where(x < 0, rest, tail))))
+    if direction != _REMOVE:
+        return sides[1]  # P is N(1, s^2) for addition
+    with np.errstate(divide="ignore"):
+        log_q, log_1mq = math.log(q), math.log1p(-q) if q < 1 else -math.inf
+    return tuple(np.logaddexp(log_1mq + sides[0][k], log_q + sides[1][k]) for k in (0, 1))
 
 
 def _log_gauss_bins(x: np.ndarray) -> np.ndarray:

@@ -197,9 +197,12 @@ def _cuts(steps: tuple, direction: str, delta: float) -> tuple[float, float]:
     steps or more hold at most that."""
     allowed = math.sqrt(2.0 * _BEYOND_SHARE * delta) / 2.0
 
+    def weights(xs: np.ndarray, side: int) -> np.ndarray:
+        rows = [(count, _pld._split_log_masses(sigma, q, direction, xs)[side]) for sigma, q, count in steps]
+        return np.array([math.fsum(count * math.exp(float(row[k])) for count, row in rows) for k in range(xs.size)])
+
     def weight(x: float, side: int) -> float:
-        return math.fsum(count * math.exp(float(_pld._bin_log_masses(sigma, q, direction, np.array([x]))[3][side]))
-                         for sigma, q, count in steps)
+        return float(weights(np.array([x]), side)[0])
 
     low = min(float(_pld._loss_of_z(-_pld._GAUSS_TAIL * sigma, sigma, q, direction)) for sigma, q, _ in steps)
     high = max(float(_pld._loss_of_z(1.0 + _pld._GAUSS_TAIL * sigma, sigma, q, direction)) for sigma, q, _ in steps)
@@ -209,7 +212,7 @@ def _cuts(steps: tuple, direction: str, delta: float) -> tuple[float, float]:
         if weight(outside, side) <= allowed:
             ends.append(outside)
             continue
-        ends.append(_pld._bisected(lambda x, side=side: weight(x, side) <= allowed, inside, outside, 32))
+        ends.append(_pld._bisected_many(lambda xs, side=side: weights(xs, side) <= allowed, inside, outside, 32))
     return ends[0], ends[1]
 
 
