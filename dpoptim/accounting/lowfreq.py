@@ -116,21 +116,25 @@ def sampled_bounds(rows: list, groups: list, counts: list, n: int, dead: float) 
     return out
 
 
-def refined(bound: DeadBound, spectra: np.ndarray, count: int, dead: float, error: float) -> DeadBound:
+def refined(bound: DeadBound, spectra: np.ndarray | None, count: int, dead: float, error: float,
+            modulus: np.ndarray | None = None) -> DeadBound:
     """``bound`` sharpened by a group's rows' transforms ``spectra`` (each within ``error``)
     at the frequencies below its length: the group is dead past its last frequency there
     whose modulus may exceed the threshold, if ``bound`` holds everything beyond (else
     it ends where ``bound`` does); either way its suffix bounds are those moduli (the
     groups together may die where none does alone: ``pld._combined_end``). ``bound``
-    itself for a group of one step."""
-    if count < 2 or spectra.shape[1] == 0:
+    itself for a group of one step. ``modulus``: the rows' largest modulus at each
+    frequency, where the caller has it (``spectra`` is then not read)."""
+    if count < 2 or (spectra.shape[1] if modulus is None else modulus.size) == 0:
         return bound
+    if modulus is None:
+        modulus = np.abs(spectra).max(axis=0)
     threshold = math.exp(-dead / count) * (1.0 - 1e-9)
-    modulus = np.abs(spectra).max(axis=0) + error
+    modulus = modulus + error
     live = np.flatnonzero(modulus > threshold)
     cut = int(live[-1]) + 1 if live.size else 1
-    beyond = bound.at(spectra.shape[1])  # past the transforms given: what ``bound`` says there
-    if spectra.shape[1] >= bound.end:
+    beyond = bound.at(modulus.size)  # past the transforms given: what ``bound`` says there
+    if modulus.size >= bound.end:
         beyond = min(beyond, threshold)  # (``bound`` holds the threshold from its end on)
     suffix = np.maximum.accumulate(np.append(modulus, beyond)[::-1])[::-1]
     suffix.setflags(write=False)

@@ -2925,20 +2925,24 @@ def _fft_groups(out: list, missing: list, anchor, grid: _Grid, dtype) -> None:
         if position + 1 < len(missing) and len(unique) + len(missing[position + 1][1].anchors) <= rows:
             continue
         spectra = _placed_transform([anchor(key)[:2] for key in unique], n, dtype)
+        moduli = np.abs(spectra)  # once per anchor, though groups share anchors
         for index, group in batch:
-            transforms, dead = _dead_prefix(spectra, [unique.index(key) for key in group.anchors], group.corner[2])
+            members = [unique.index(key) for key in group.anchors]
+            transforms, dead = _dead_prefix(spectra, members, group.corner[2], moduli)
             out[index] = (transforms, dead, _anchor_parts(group, anchor), error)
         batch = []
 
 
-def _dead_prefix(spectra: np.ndarray, rows: list, steps: int) -> tuple[np.ndarray, lowfreq.DeadBound]:
+def _dead_prefix(spectra: np.ndarray, rows: list, steps: int, moduli: np.ndarray) -> tuple:
     """For :func:`_group_spectra`: the transforms in ``rows`` of ``spectra`` (a group's
-    anchors, whole half-spectra) up to the cut, and their :class:`~.lowfreq.DeadBound`:
-    :func:`~.lowfreq.refined` from the bound that holds everywhere (moduli at most 1), so
-    both routes cut the same way (the whole spectrum is kept where nothing certifies)."""
+    anchors, whole half-spectra; ``moduli`` their moduli) up to the cut, and their
+    :class:`~.lowfreq.DeadBound`: :func:`~.lowfreq.refined` from the bound that holds
+    everywhere (moduli at most 1), so both routes cut the same way (the whole spectrum
+    is kept where nothing certifies)."""
     size = spectra.shape[1]
     everywhere = lowfreq.DeadBound(size, np.full(1, 1.0 + 1e-9), size)
-    dead = lowfreq.refined(everywhere, spectra[rows], steps, _DEAD, 0.0)
+    largest = functools.reduce(np.maximum, (moduli[row] for row in rows))
+    dead = lowfreq.refined(everywhere, None, steps, _DEAD, 0.0, modulus=largest)
     return spectra[rows, :dead.end], dead
 
 
