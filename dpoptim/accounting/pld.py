@@ -1322,11 +1322,10 @@ def _spread_allowed(points: int, pairs: int) -> float:
     A schedule at q of 1e-3 or less can need 2^19 to 2^20 points by the strict share,
     where each of its many transforms takes tens of milliseconds: there four times that
     share, one grid size fewer, raised epsilon by 0.009% to 0.1% (measured on such
-    schedules) and took half the time or less.
-    One run keeps the strict share: its one transform is cheap, and where a bin is a
-    large part of a tiny epsilon the finest grid is the tighter (q 1e-6 over 30 steps:
-    3% above the lower bound on half the points). This only steers the grid size;
-    soundness never depends on it."""
+    schedules) and took half the time or less. One run keeps the strict share: its one
+    transform is cheap, and where a bin is a large part of a tiny epsilon the finest grid
+    is the tighter (q 1e-6 over 30 steps: 3% above the lower bound on half the points).
+    This only steers the grid size; soundness never depends on it."""
     return _SPREAD_SHARE if points < _SCHEDULE_POINTS or pairs < _SCHEDULE_PAIRS else _SCHEDULE_SPREAD_SHARE
 
 
