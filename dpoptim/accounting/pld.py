@@ -1935,22 +1935,14 @@ def _log_r(losses: np.ndarray, q: float, direction: str) -> np.ndarray:
 
 def _split_log_masses(sigma: float, q: float, direction: str, losses: np.ndarray) -> tuple:
     """``(at_or_below, above)``: the log P-masses of one step's loss at or below, and above,
-    each of ``losses`` (any order): for each point what :func:`_bin_log_masses` gives
-    for its two bins, computed for all points at once."""
+    each of ``losses`` (any order), all at once: the edges ``-inf, z_k, +inf`` of every
+    loss side by side, so each pair of bins is computed as :func:`_bin_log_masses` would
+    for that loss alone (the bins from one loss's +inf to the next one's -inf are dropped)."""
     z = sigma * sigma * _log_r(losses, q, direction) + 0.5
-    sides = []
-    for mean in (0.0, 1.0):  # N(0, s^2), N(1, s^2): each side is the smaller tail, or 1 less it
-        x = (z - mean) / sigma
-        tail = log_ndtr(-np.abs(x))
-        with np.errstate(divide="ignore"):
-            rest = np.log1p(-np.exp(tail))
-        sides.append(tuple(np.where(np.isnan(side), -np.inf, side)
-                           for side in (np.where(x > 0, rest, tail), np.where(x < 0, rest, tail))))
-    if direction != _REMOVE:
-        return sides[1]  # P is N(1, s^2) for addition
-    with np.errstate(divide="ignore"):
-        log_q, log_1mq = math.log(q), math.log1p(-q) if q < 1 else -math.inf
-    return tuple(np.logaddexp(log_1mq + sides[0][k], log_q + sides[1][k]) for k in (0, 1))
+    ends = np.full(z.shape, np.inf)
+    edges = np.stack([-ends, z, ends], axis=1).ravel()
+    log_p = _edge_log_masses(sigma, q, direction, edges)[2]
+    return log_p[0::3], log_p[1::3]
 
 
 def _log_gauss_bins(x: np.ndarray) -> np.ndarray:
@@ -2125,13 +2117,19 @@ def _bin_log_masses(sigma: float, q: float, direction: str, losses: np.ndarray) 
     ``z``; the logs of the bins' masses under N(0, s^2), N(1, s^2), P and Q."""
     z = sigma * sigma * _log_r(losses, q, direction) + 0.5
     edges = np.concatenate([[-np.inf], z, [np.inf]])
+    return (edges, *_edge_log_masses(sigma, q, direction, edges))
+
+
+def _edge_log_masses(sigma: float, q: float, direction: str, edges: np.ndarray) -> tuple:
+    """``(log_n0, log_n1, log_p, log_qq)`` of the bins ``(edges[k], edges[k+1]]`` in ``z``
+    (see :func:`_bin_log_masses`)."""
     log_n0 = _log_gauss_bins(edges / sigma)  # N(0, s^2)
     log_n1 = _log_gauss_bins((edges - 1.0) / sigma)  # N(1, s^2)
     with np.errstate(divide="ignore"):
         log_q, log_1mq = math.log(q), math.log1p(-q) if q < 1 else -math.inf
     if direction == _REMOVE:
-        return edges, log_n0, log_n1, np.logaddexp(log_1mq + log_n0, log_q + log_n1), log_n0
-    return edges, log_n0, log_n1, log_n1, np.logaddexp(log_q + log_n0, log_1mq + log_n1)
+        return log_n0, log_n1, np.logaddexp(log_1mq + log_n0, log_q + log_n1), log_n0
+    return log_n0, log_n1, log_n1, np.logaddexp(log_q + log_n0, log_1mq + log_n1)
 
 
 def _dominated_masses(p: np.ndarray, log_q: np.ndarray, errors: np.ndarray, first: int, spacing: float,
