@@ -201,15 +201,12 @@ def _cuts(steps: tuple, direction: str, delta: float) -> tuple[float, float]:
         rows = [(count, _pld._split_log_masses(sigma, q, direction, xs)[side]) for sigma, q, count in steps]
         return np.array([math.fsum(count * math.exp(float(row[k])) for count, row in rows) for k in range(xs.size)])
 
-    def weight(x: float, side: int) -> float:
-        return float(weights(np.array([x]), side)[0])
-
     low = min(float(_pld._loss_of_z(-_pld._GAUSS_TAIL * sigma, sigma, q, direction)) for sigma, q, _ in steps)
     high = max(float(_pld._loss_of_z(1.0 + _pld._GAUSS_TAIL * sigma, sigma, q, direction)) for sigma, q, _ in steps)
     ends = []
     for side in (0, 1):  # 0: the mass at or below x, to stay within; 1: the mass above x
         inside, outside = (low, high) if side == 0 else (high, low)
-        if weight(outside, side) <= allowed:
+        if weights(np.array([outside]), side)[0] <= allowed:
             ends.append(outside)
             continue
         ends.append(_pld._bisected_many(lambda xs, side=side: weights(xs, side) <= allowed, inside, outside, 32))
