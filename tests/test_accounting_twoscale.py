@@ -75,13 +75,16 @@ def test_the_two_scale_bulk_bounds_the_one_fine_grid_and_stays_close(run):
         inside = one.losses[(values < 1e-3) & (values > delta)]
         assert inside.size > 10
         points = np.linspace(inside[0], inside[-1], 200)
-        upper = two.at(points)[0] + blocks.infinite
+        value, allowance = two.at(points)
+        upper = value + blocks.infinite
         lower = one.floor_at(points)
         # never below what the fine grid's distribution certainly has ...
         assert np.all(upper >= lower), (points[upper < lower][:3], upper[upper < lower][:3])
-        # ... and at most a little above it: an epsilon shift of a thousandth
+        # ... and at most a little above it: an epsilon shift of a thousandth. (Untilted,
+        # each profile's rounding allowance reaches a few 1e-9 deep down, more on two
+        # scales' many factors than on one grid's one: the distributions are compared.)
         shifted = one.at(points - 1e-3 * max(abs(points[-1]), 1e-3))[0]
-        assert np.all(upper <= shifted * 1.001 + 1e-3 * delta)
+        assert np.all(upper - allowance <= shifted * 1.001 + 1e-3 * delta)
 
 
 def test_a_long_run_at_tiny_q_is_split_on_two_scales_and_bracketed():
