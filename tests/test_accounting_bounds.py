@@ -966,6 +966,65 @@ def test_mixture_groups_are_cached_and_redone_in_extended_precision(monkeypatch)
     assert upper <= grown and len(set(transformed)) == 1
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.floats(0.3, 3.0), st.floats(1e-5, 0.3), st.sampled_from(["remove", "add"]), st.integers(-9, -4),
+       st.integers(0, 40), st.sampled_from([None, 4.0, 64.0]))
+def test_a_steps_cached_log_mgf_is_the_one_its_distribution_gives(sigma, q, direction, power, widen, thin):
+    # Keyed by the support, not the window: a window wider than the support hits the
+    # entry of a narrower one and must get exactly the floats its own distribution gives,
+    # and the key must tell apart what changes them (the direction, thinning, lambdas).
+    spacing = 2.0**power
+    lambdas = np.geomspace(1e-2, 1e4, 17)
+    lo, hi = pld_module._support(sigma, q, direction, spacing, -(2**40), 2**40)
+    for ends in ((lo, hi), (lo - widen, hi + widen)):
+        for rates in (lambdas, -lambdas):
+            first, masses, _ = pld_module._step_distribution(sigma, q, direction, spacing, *ends, thin=thin)
+            cold = pld_module._log_mgf(first, masses, spacing, rates)
+            cached = pld_module._step_log_mgf((sigma, q), direction, spacing, ends, thin, rates)
+            assert np.array_equal(cached, cold)
+    other = "add" if direction == "remove" else "remove"
+    lo, hi = pld_module._support(sigma, q, other, spacing, -(2**40), 2**40)
+    first, masses, _ = pld_module._step_distribution(sigma, q, other, spacing, lo, hi, thin=thin)
+    assert np.array_equal(pld_module._step_log_mgf((sigma, q), other, spacing, (lo, hi), thin, lambdas),
+                          pld_module._log_mgf(first, masses, spacing, lambdas))
+
+
+def test_a_grown_mixture_ledger_reuses_its_log_mgfs_and_answers_as_if_cold(monkeypatch):
+    # The window's certificate and the mixture groups' tail bound ask every corner's and
+    # anchor's moment generating function; a ledger grown by a step asks them again, at the
+    # same lambdas (rounded to quarter octaves), and the cache answers: no distribution is
+    # summed again, and epsilon is the one a process that never saw the ledger computes.
+    runs = [(0.9 + 0.01 * i, 1e-4, 300) for i in range(40)]
+    grown = [*runs[:-1], (runs[-1][0], runs[-1][1], runs[-1][2] + 1)]
+    summed, sums = [], {"certificate": [], "tail": []}  # per call of each, the distributions it summed
+    log_mgf = pld_module._log_mgf
+    monkeypatch.setattr(pld_module, "_log_mgf", lambda *args: summed.append(1) or log_mgf(*args))
+
+    def counting(name, function):
+        def counted(*args):
+            before = len(summed)
+            found = function(*args)
+            sums[name].append(len(summed) - before)
+            return found
+        return counted
+    monkeypatch.setattr(pld_module, "_certified_grid", counting("certificate", pld_module._certified_grid))
+    monkeypatch.setattr(pld_module, "_mixture_tail", counting("tail", pld_module._mixture_tail))
+    first = pld_epsilon(runs, 1e-6, grid_points=2**14, max_groups=8)
+    assert all(calls and max(calls) > 0 for calls in sums.values()), sums  # the ledger exercises both
+    sums = {name: [] for name in sums}
+    warm = pld_epsilon(grown, 1e-6, grid_points=2**14, max_groups=8)
+    assert all(calls and max(calls) == 0 for calls in sums.values()), sums
+    for clear in (pld_module._mgf_cache.clear, pld_module._prefix_cache.clear, pld_module._tail_cache.clear,
+                  pld_module._grid_distribution.cache_clear, pld_module._pld_epsilon.cache_clear):
+        clear()
+    assert pld_epsilon(grown, 1e-6, grid_points=2**14, max_groups=8) == warm >= first
+
+
+def _grid_log_mgfs(grids: list, spacing: float):
+    """What :func:`_mixture_tail` asks: every anchor's log moment generating function on its grid."""
+    return lambda lambdas: [pld_module._log_mgf(first, masses, spacing, lambdas) for first, masses, _ in grids]
+
+
 def test_the_mixture_tail_certificate_bounds_the_exact_composed_tail():
     # The fallback certificate of the window's top (used where the tilt gives none):
     # against the exact composition of the rows' grid distributions, by convolution.
@@ -986,9 +1045,9 @@ def test_the_mixture_tail_certificate_bounds_the_exact_composed_tail():
     offset = sum(count for count in group.counts) * min(g[0] for g in grids)
     for top in (0.5, 1.0, 2.0, 3.0):
         exact = composed[np.arange(composed.size) + offset >= math.ceil(top / spacing - 1e-9)].sum()
-        bound = pld_module._mixture_tail((group,), grids, spacing, top)
+        bound = pld_module._mixture_tail((group,), _grid_log_mgfs(grids, spacing), top)
         assert exact <= bound <= 1.0, (top, exact, bound)
-    assert pld_module._mixture_tail((group,), grids, spacing, 3.0) < 1e-2  # and not trivially 1
+    assert pld_module._mixture_tail((group,), _grid_log_mgfs(grids, spacing), 3.0) < 1e-2  # and not trivially 1
 
 
 @pytest.mark.parametrize("top", [0.3, 1.0, 2.5, 6.0])
@@ -1010,7 +1069,7 @@ def test_the_mixture_tail_search_finds_the_best_lambda_of_its_grid(top):
         rows = [np.logaddexp.reduce(np.log(np.maximum(w, 1e-300)) + np.array(anchors)) for w in group.weights]
         exact.append(float(np.dot(group.counts, rows)) - lam * top)
     best = math.exp(min(min(exact), 0.0))
-    found = pld_module._mixture_tail((group,), grids, spacing, top)
+    found = pld_module._mixture_tail((group,), _grid_log_mgfs(grids, spacing), top)
     assert best * (1 - 1e-9) <= found <= best * (1 + 1e-6), (found, best)
     assert int(np.argmin(exact)) % 4 or top == 6.0  # the best lambda lies between the coarse ones (but one)
 

@@ -1605,7 +1605,10 @@ def _narrow_guess(steps: tuple, tail: float):
     # the quadrature's nodes (adding, at tiny sigma and q: a constant near q with a rare
     # lower tail) sets no scale, its Chernoff edges hold at any lambda. Where the two
     # spreads differ by more than 4 times (tiny sigma over many steps), both ranges are
-    # kept: the wider direction's edges need its own, smaller lambdas.
+    # kept: the wider direction's edges need its own, smaller lambdas. Each scale is rounded
+    # down to a quarter octave (any lambdas give sound certificates): a ledger grown by a
+    # step then asks the same lambdas, and its certificates' moment generating functions
+    # and the tilt chosen among them are found again (:func:`_step_log_mgf`, the transforms).
     spreads = [math.sqrt(sum(count * _loss_moments(sigma, q, direction, cut)[1]
                              for (sigma, q, count), cut in zip(steps, cuts[direction])))
                for direction in (_REMOVE, _ADD)]
@@ -1614,13 +1617,13 @@ def _narrow_guess(steps: tuple, tail: float):
         return None
     if scales[-1] > 4.0 * scales[0]:
         scales = [scales[0], scales[-1]]
-    ranges = [np.geomspace(1e-3, 4.0, 28) * (z / scale) for scale in scales[:2]]
+    ranges = [np.geomspace(1e-3, 4.0, 28) * _quarter_octave(z / scale) for scale in scales[:2]]
     # A rare large loss (tiny q: the example's step, far out) can decide the edges where the
     # body's spread is tiny: lambdas near log(1/tail) / extent, the extent a step's largest
     # loss in size, bound what it adds.
     extent = max(max(abs(c), abs(f)) for d in (_REMOVE, _ADD) for c, f in zip(cuts[d], floors[d]))
     if 0 < extent < math.inf:
-        ranges.append(np.geomspace(1.0 / 64.0, 2.0, 8) * (z * z / 2.0 / extent))
+        ranges.append(np.geomspace(1.0 / 64.0, 2.0, 8) * _quarter_octave(z * z / 2.0 / extent))
     lambdas = np.unique(np.concatenate(ranges))
     lambdas.setflags(write=False)
     low, high = 0.0, -math.inf
@@ -1632,6 +1635,11 @@ def _narrow_guess(steps: tuple, tail: float):
         high = max(high, float(((cgf_up - math.log(tail)) / lambdas).min()))
         low = min(low, float(((math.log(tail) - cgf_down) / lambdas).max()))
     return low, high, floors, cuts, lambdas
+
+
+def _quarter_octave(x: float) -> float:
+    """``x`` rounded down to a power of 2^(1/4)."""
+    return 2.0 ** (math.floor(4.0 * math.log2(x)) / 4.0)
 
 
 def _certified_grid(steps, n, spacing, low, top_guess, ends, lambdas, tail, delta):
@@ -1660,10 +1668,9 @@ def _certified_grid(steps, n, spacing, low, top_guess, ends, lambdas, tail, delt
 
     def composed_log_mgfs(direction):  # each direction's distributions, computed side by side
         cgf_up = cgf_down = 0.0
-        for (sigma, q, count), bottom, top in zip(steps, bottoms[direction], tops[direction]):
-            first, masses, _ = _step_distribution(sigma, q, direction, spacing, bottom, top, thin=thin[direction])
-            cgf_up = cgf_up + count * _log_mgf(first, masses, spacing, lambdas)
-            cgf_down = cgf_down + count * _log_mgf(first, masses, spacing, -lambdas)
+        for step, ends in zip(steps, zip(bottoms[direction], tops[direction])):
+            cgf_up = cgf_up + step[2] * _step_log_mgf(step, direction, spacing, ends, thin[direction], lambdas)
+            cgf_down = cgf_down + step[2] * _step_log_mgf(step, direction, spacing, ends, thin[direction], -lambdas)
         return cgf_up, cgf_down
 
     log_up = log_down = -math.inf
@@ -1905,6 +1912,41 @@ def _steep_log_mgf(indices: np.ndarray, log_masses: np.ndarray, spacing: float, 
 
 #: exp of anything this far below 1 is exactly 0 in float64 (subnormals end near e^-745).
 _UNDERFLOW = 800.0
+
+
+def _step_log_mgf(step: tuple, direction: str, spacing: float, ends: tuple, thin: float | None,
+                  lambdas: np.ndarray, distribution=None) -> np.ndarray:
+    """:func:`_log_mgf` of the grid distribution of one step ``(sigma, q)`` on ``ends`` (its
+    lowest and highest grid index; :func:`_step_distribution`, or ``distribution()`` where
+    given, which returns the same), kept between calls.
+
+    The windows' certificates (:func:`_certified_grid`) and the mixture groups' tail bound
+    (:func:`_mixture_tail`) sum every point of every step's or anchor's distribution once
+    per lambda: after a ledger grows by a step they ask the same distributions again (at
+    q 1e-5 to 1e-4 most of a call for 100 to 10^4 pairs). The key is what determines the
+    distribution (the pair, direction, spacing, support and thinning: see :func:`_support`)
+    and the lambdas, so a hit returns the very floats a miss computes."""
+    sigma, q = step[:2]
+    thin = None if thin is None else float(thin)
+    key = (sigma, q, direction, spacing, *_support(sigma, q, direction, spacing, *ends), thin, lambdas.tobytes())
+    with _prefix_lock:
+        found = _mgf_cache.pop(key, None)
+    if found is None:
+        first, masses, _ = (distribution or functools.partial(_step_distribution, sigma, q, direction, spacing,
+                                                              *ends, thin=thin))()
+        found = _log_mgf(first, masses, spacing, lambdas)
+        found.setflags(write=False)
+    with _prefix_lock:
+        _mgf_cache[key] = found
+        while len(_mgf_cache) > _MGF_CACHE_ENTRIES:
+            _mgf_cache.pop(next(iter(_mgf_cache)))
+    return found
+
+
+#: Log moment generating functions :func:`_step_log_mgf` keeps (a few hundred floats each),
+#: the least recently used first.
+_MGF_CACHE_ENTRIES = 4096
+_mgf_cache: dict = {}
 
 
 #: Bins per block of :func:`_log_mgf`.
@@ -2959,8 +3001,12 @@ def _cached_mixture_tail(groups, direction: tuple, ends: dict, distribution, spa
     with _prefix_lock:
         hit = _tail_cache.pop(key, None)
     if hit is None:
-        grids = [distribution(anchor) for group in groups for anchor in group.anchors]
-        hit = _mixture_tail(groups, grids, spacing, top)
+        anchors = [anchor for group in groups for anchor in group.anchors]
+
+        def log_mgfs(lambdas: np.ndarray) -> list:
+            return [_step_log_mgf(anchor, direction[0], spacing, ends[anchor], direction[1], lambdas,
+                                  functools.partial(distribution, anchor)) for anchor in anchors]
+        hit = _mixture_tail(groups, log_mgfs, top)
     with _prefix_lock:
         _tail_cache[key] = hit
         while len(_tail_cache) > 8:
@@ -2971,20 +3017,21 @@ def _cached_mixture_tail(groups, direction: tuple, ends: dict, distribution, spa
 _tail_cache: dict = {}  # see :func:`_cached_mixture_tail`; 8 at most, least recently used first
 
 
-def _mixture_tail(groups, grids: list, spacing: float, top: float) -> float:
+def _mixture_tail(groups, log_mgfs, top: float) -> float:
     r"""A bound on the composed mass of the mixture rows at or beyond ``top``:
     :math:`\min_\lambda e^{-\lambda\,top} \prod_r M_r(\lambda)^{n_r}`, each row's moment
-    generating function the mixture of its anchors' (exact on the grid, rounded up).
+    generating function the mixture of its anchors' (exact on the grid, rounded up:
+    ``log_mgfs(lambdas)`` gives every anchor's, by :func:`_log_mgf`, in the groups' order).
 
     The exponent is convex in lambda (a sum of log moment generating functions less a
     linear term), so along :data:`_TAIL_LAMBDAS` it falls, then rises: every fourth
     lambda first, then the three on each side of the smallest, find the same minimum
     at two fifths of the cost (any lambda gives a sound bound)."""
     def exponents(lambdas: np.ndarray) -> np.ndarray:
-        log_mgfs = [_log_mgf(first, masses, spacing, lambdas) for first, masses, _ in grids]
+        anchor_log_mgfs = log_mgfs(lambdas)
         cgf, start = np.zeros(lambdas.size), 0
         for group in groups:
-            anchors = np.array(log_mgfs[start:start + len(group.anchors)])
+            anchors = np.array(anchor_log_mgfs[start:start + len(group.anchors)])
             start += len(group.anchors)
             with np.errstate(divide="ignore"):
                 terms = np.log(group.weights)[:, :, None] + anchors[None, :, :]
