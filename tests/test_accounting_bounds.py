@@ -1020,6 +1020,22 @@ def test_a_grown_mixture_ledger_reuses_its_log_mgfs_and_answers_as_if_cold(monke
     assert pld_epsilon(grown, 1e-6, grid_points=2**14, max_groups=8) == warm >= first
 
 
+def test_a_grown_small_q_schedule_transforms_only_the_group_that_changed(monkeypatch):
+    # The anchors' tops stop at the corners' highest cut, which moves with the last
+    # corner's count: rounded up to a few bins, a ledger grown by a step keeps every other
+    # anchor's support, so its cached transforms, and epsilon does not fall.
+    runs = [(1.0 - 0.2 * i / 99, 1e-4, 100) for i in range(100)]
+    grown = [*runs[:-1], (runs[-1][0], runs[-1][1], runs[-1][2] + 1)]
+    transformed, transform = [], pld_module._anchor_parts
+    monkeypatch.setattr(pld_module, "_anchor_parts", lambda group, anchor: transformed.append(group.anchors)
+                        or transform(group, anchor))
+    first = pld_epsilon(runs, 1e-5, grid_points=2**14, max_groups=8)
+    assert len(set(transformed)) > 4
+    transformed.clear()
+    assert pld_epsilon(grown, 1e-5, grid_points=2**14, max_groups=8) >= first
+    assert len(set(transformed)) == 1
+
+
 def _grid_log_mgfs(grids: list, spacing: float):
     """What :func:`_mixture_tail` asks: every anchor's log moment generating function on its grid."""
     return lambda lambdas: [pld_module._log_mgf(first, masses, spacing, lambdas) for first, masses, _ in grids]
