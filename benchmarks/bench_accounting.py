@@ -191,7 +191,11 @@ def _growing_and_max_steps(repeat: int) -> None:
     print("| --- | --- | --- | --- | --- |")
     for label, ledger in (("10^4-run schedule", schedule_ledger()),
                           ("100-run sigma schedule", [(1.0 + 0.01 * i, 0.01, 100) for i in range(100)]),
-                          ("10^4 one-step pairs", step_schedule_ledger())):
+                          ("10^4 one-step pairs", step_schedule_ledger()),
+                          ("small q: 10^4-run sigma schedule (q 1e-4)",
+                           [(0.8 ** (i / 9_999), 1e-4, 100) for i in range(10_000)]),
+                          ("small q: 100-run sigma schedule (q 1e-5)",
+                           [(0.8 ** (i / 99), 1e-5, 100_000) for i in range(100)])):
         ledger = [(_fresh(s), q, c) for s, q, c in ledger]
         epsilon_of_ledger(ledger, 1e-5)  # what the previous privacy_spent() computed
         sigma, q, count = ledger[-1]
