@@ -555,8 +555,30 @@ def test_a_ledger_beyond_the_group_limit_is_split_on_its_own_pairs(monkeypatch):
     pld_module._pld_epsilon.cache_clear()
     upper = epsilon_of_ledger(runs, 1e-12)
     pld_module._pld_epsilon.cache_clear()
-    assert answered and answered[0] is not None and upper == answered[0]["remove"]
+    assert answered and answered[0][0] is not None and upper == answered[0][0]["remove"]
     assert_bracketed(upper, rare_lower.split_lower_bound(runs, "remove", 1e-12, upper), rel=0.01)
+
+
+def test_where_the_split_of_the_pairs_fails_its_first_answer_sizes_the_groups_grid(monkeypatch):
+    # 100 sigma levels at q 1e-4: the split on the pairs' own grid answers 0.43 where the
+    # RDP guess is 2, but the grid sized for that answer needs more points than it may
+    # take; its answer (sound, on the coarser grid) sizes the mixture groups' grid, which
+    # is then composed once, not first on a grid the RDP guess sized and refined at once.
+    runs = [(1.2 - 0.6 * i / 99, 1e-4, 1000) for i in range(100)]
+    hints, grids = [], []
+    inner, compose = pld_module._ungrouped_split, pld_module._compose_on
+    monkeypatch.setattr(pld_module, "_ungrouped_split", lambda *a: hints.append(inner(*a)) or hints[-1])
+    monkeypatch.setattr(pld_module, "_compose_on", lambda steps, deltas, grid, **k: grids.append(grid.n)
+                        or compose(steps, deltas, grid, **k))
+    pld_module._pld_epsilon.cache_clear()
+    upper = epsilon_of_ledger(runs, 1e-6)
+    pld_module._pld_epsilon.cache_clear()
+    assert hints[0][0] is None and upper < hints[0][1] < 1.05 * upper
+    assert grids == [2**19]
+    grids.clear()  # without the hint: the same value, after a grid the RDP guess sized
+    monkeypatch.setattr(pld_module, "_ungrouped_split", lambda *a: (None, math.inf))
+    assert epsilon_of_ledger(runs, 1e-6) == upper and grids == [2**17, 2**19]
+    pld_module._pld_epsilon.cache_clear()
 
 
 def test_a_run_wholly_inside_the_bulk_has_no_tail_term():
