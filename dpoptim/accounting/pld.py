@@ -465,7 +465,7 @@ def _ungrouped_split(subsampled: list, deltas: dict, shift: float, tried: bool) 
     if found is not None:
         return found, math.inf
     first = rare.split_epsilon(steps, _REMOVE, deltas[_REMOVE], guess, False, _UNGROUPED_SPLIT_POINTS)
-    return None, math.inf if first is None else first[0]
+    return None, first[0] if first is not None and first[0] > 0.0 else math.inf
 
 
 #: :func:`_ungrouped_split` splits ledgers of at most this many pairs, on windows of at
