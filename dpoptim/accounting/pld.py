@@ -349,8 +349,8 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool
     ceiling = math.inf if lower else _other_bounds(bounded, rest_delta)
     try:
         early, hint = _ungrouped_split(subsampled, deltas, shift, bool(mixture and rare_split and not mu))
-        pld = _shifted_max(early or _pld_answer(steps, deltas, grid_points, lower, ceiling, (mixture, hint), shift,
-                                                rare_split), shift)
+        pld = _shifted_max(early or _pld_answer(steps, deltas, grid_points, lower, ceiling, mixture, shift,
+                                                rare_split, hint), shift)
     except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
         pld = 0.0 if lower else math.inf  # no PLD answer here: the other bounds stand
     if lower:
@@ -358,14 +358,13 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool
     return min(pld, ceiling, _all_orders_rdp(bounded, rest_delta, min(pld, ceiling)))
 
 
-def _pld_answer(steps: list, deltas: dict, grid_points, lower: bool, ceiling: float, mixture: tuple, shift: float,
-                rare_split: bool) -> dict:
+def _pld_answer(steps: list, deltas: dict, grid_points, lower: bool, ceiling: float, mixture, shift: float,
+                rare_split: bool, hint: float = math.inf) -> dict:
     """Each direction's PLD epsilon: the stages' (:func:`_staged`) where they settle it,
     else the grid's (:func:`_compose_and_invert`), or each direction's smaller of the two
     where the stages answered unsettled (both are sound upper bounds; taking the smaller
-    keeps epsilon continuous where the stages stop settling it). ``mixture``: the mixture
-    groups (or None) and the ``hint`` of :func:`_compose_and_invert` (inf: none)."""
-    mixture, hint = mixture
+    keeps epsilon continuous where the stages stop settling it). ``hint``: see
+    :func:`_compose_and_invert`."""
     found = _staged(steps, deltas, shift, ceiling, grid_points is None and not (lower or mixture))
     if found is not None and found.settled:
         return found.epsilons
@@ -1951,11 +1950,17 @@ def _step_log_mgf(step: tuple, direction: str, spacing: float, ends: tuple, thin
                                                               *ends, thin=thin))()
         found = _log_mgf(first, masses, spacing, lambdas)
         found.setflags(write=False)
+    return _kept(_mgf_cache, key, found, _MGF_CACHE_ENTRIES)
+
+
+def _kept(cache: dict, key, value, limit: int):
+    """``value``, stored under ``key`` as ``cache``'s most recently used entry (a dict in
+    least recently used order), the oldest dropped beyond ``limit`` entries."""
     with _prefix_lock:
-        _mgf_cache[key] = found
-        while len(_mgf_cache) > _MGF_CACHE_ENTRIES:
-            _mgf_cache.pop(next(iter(_mgf_cache)))
-    return found
+        cache[key] = value
+        while len(cache) > limit:
+            cache.pop(next(iter(cache)))
+    return value
 
 
 #: Log moment generating functions :func:`_step_log_mgf` keeps (a few hundred floats each),
@@ -3031,11 +3036,7 @@ def _cached_mixture_tail(groups, direction: tuple, ends: dict, distribution, spa
             return [_step_log_mgf(anchor, direction[0], spacing, ends[anchor], direction[1], lambdas,
                                   functools.partial(distribution, anchor)) for anchor in anchors]
         hit = _mixture_tail(groups, log_mgfs, top)
-    with _prefix_lock:
-        _tail_cache[key] = hit
-        while len(_tail_cache) > 8:
-            _tail_cache.pop(next(iter(_tail_cache)))
-    return hit
+    return _kept(_tail_cache, key, hit, 8)
 
 
 _tail_cache: dict = {}  # see :func:`_cached_mixture_tail`; 8 at most, least recently used first
