@@ -1058,6 +1058,100 @@ def test_a_grown_small_q_schedule_transforms_only_the_group_that_changed(monkeyp
     assert len(set(transformed)) == 1
 
 
+@settings(max_examples=30, deadline=None)
+@given(sigmas=st.lists(st.floats(0.5, 4.0), min_size=1, max_size=3),
+       raw=st.lists(st.lists(st.floats(0.0, 1.0), min_size=3, max_size=3), min_size=1, max_size=3),
+       counts=st.lists(st.integers(1, 50), min_size=3, max_size=3), order=st.floats(1.05, 12.0))
+def test_the_rdp_of_a_mixture_step_averages_its_anchors_under_the_revealed_coin(sigmas, raw, counts, order):
+    # Against numerical integration of the revealed-coin mixture itself: for the Gaussian
+    # mechanism (q = 1) the pair at row weights w is sum_c w_c N(c-th law), and its Renyi
+    # integral is sum_c w_c * integral of p_c^a q_c^(1-a), each p_c = N(1, s_c^2), q_c = N(0, s_c^2).
+    from scipy import integrate
+
+    from dpoptim.accounting.mixture import MixtureGroup, mixture_rdp
+
+    anchors = tuple((sigma, 1.0) for sigma in sigmas)
+    rows = np.array([row[:len(anchors)] for row in raw]) + 1e-3
+    weights = rows / rows.sum(axis=1, keepdims=True)
+    group = MixtureGroup(anchors, weights, tuple(counts[:len(rows)]), (min(sigmas), 1.0, sum(counts[:len(rows)])))
+
+    def renyi_integral(sigma):  # the integrand is a Gaussian bump around y = order
+        def density(y):
+            return math.exp(order * stats.norm.logpdf(y, 1.0, sigma) + (1.0 - order) * stats.norm.logpdf(y, 0.0, sigma))
+        return integrate.quad(density, order - 40.0 * sigma, order + 40.0 * sigma, points=[order], limit=200)[0]
+
+    expected = sum(count * math.log(sum(w * renyi_integral(sigma) for w, (sigma, _) in zip(row, anchors)))
+                   for row, count in zip(weights, group.counts)) / (order - 1.0)
+    got = mixture_rdp((group,), np.array([order]), lambda sigma, q: np.array([order / (2.0 * sigma * sigma)]))
+    assert got[0] == pytest.approx(expected, rel=1e-7)
+
+
+def _slow_schedule(rate: float = 1e-4) -> list:
+    return [(1.0 - 0.2 * i / 199, rate, 100) for i in range(200)]
+
+
+def _fast_schedule() -> list:
+    return [(0.8 + 1.2 * i / 199, 0.002 * 10 ** (i / 199), 100) for i in range(200)]
+
+
+def _clear_groupings():
+    pld_module._fewest_cache.clear()
+    pld_module._pld_epsilon.cache_clear()
+
+
+def test_a_slowly_changing_schedule_is_composed_in_fewer_groups_for_almost_nothing(monkeypatch):
+    # 200 runs from sigma 1 to 0.8 at q 1e-4: a quarter of the default 64 groups moves
+    # epsilon by far less than the share the RDP curves allow, in a quarter of the
+    # transforms, and stays above a rigorous lower bound (the 16 groups' optimistic twin on
+    # a coarse grid, 2.6% below). max_groups, where given, is kept.
+    runs = _slow_schedule()
+    transformed, transform = [], pld_module._anchor_parts
+    monkeypatch.setattr(pld_module, "_anchor_parts", lambda group, anchor: transformed.extend(group.anchors)
+                        or transform(group, anchor))
+    _clear_groupings()
+    fewer = pld_epsilon(runs, DELTA, grid_points=2**14)
+    assert 8 < len(set(transformed)) <= 16
+    transformed.clear()
+    every = pld_epsilon(runs, DELTA, grid_points=2**14, max_groups=64)
+    assert 32 < len(set(transformed)) <= 64
+    assert abs(fewer / every - 1.0) <= pld_module._FEWER_GROUPS_SHARE
+    assert pld_epsilon_lower_bound(runs, DELTA, grid_points=2**14, max_groups=16) <= fewer
+
+
+def test_fewer_groups_are_refused_where_they_would_cost(monkeypatch):
+    # sigma 0.8 to 2 with q 0.002 to 0.02: 16 groups would cost 0.8% here, and the RDP
+    # curves say so; and at small sigma, where the best order is the smallest (epsilon in
+    # the hundreds of thousands), the curves are not trusted at any share.
+    runs = _fast_schedule()
+    _clear_groupings()
+    assert pld_epsilon(runs, DELTA) == pld_epsilon(runs, DELTA, max_groups=64)
+    assert pld_module._fewest_of(tuple(runs), 64, DELTA)[0] == 64
+    monkeypatch.setattr(pld_module, "_FEWER_GROUPS_SHARE", 1.0)
+    _clear_groupings()
+    assert pld_epsilon(runs, DELTA) > 1.004 * pld_epsilon(runs, DELTA, max_groups=64)
+    small = tuple((0.433 * 1.0185 ** (i / 333), 0.0988, 29940) for i in range(334))
+    assert pld_module._fewest_of(small, 64, 4.7e-8)[0] == 64
+
+
+def test_the_choice_of_fewer_groups_is_kept_as_the_ledger_grows(monkeypatch):
+    # A ledger grown by a step forms the same groups at the default limit: the choice is
+    # not computed again, and epsilon is the one a process that never saw it computes.
+    runs = _slow_schedule()
+    grown = [*runs[:-1], (runs[-1][0], runs[-1][1], runs[-1][2] + 1)]
+    chosen, choose = [], pld_module._fewest_of
+    monkeypatch.setattr(pld_module, "_fewest_of", lambda *args: chosen.append(choose(*args)) or chosen[-1])
+    _clear_groupings()
+    first = pld_epsilon(runs, DELTA, grid_points=2**14)
+    assert [limit for limit, _ in chosen] == [16]
+    warm = pld_epsilon(grown, DELTA, grid_points=2**14)
+    assert len(chosen) == 1 and warm >= first
+    pld_epsilon(runs, DELTA, grid_points=2**14, max_groups=64)
+    assert len(chosen) == 1  # a limit the caller gives is kept as it is
+    _clear_groupings()
+    assert pld_epsilon(grown, DELTA, grid_points=2**14) == warm
+    assert len(chosen) == 2
+
+
 def _grid_log_mgfs(grids: list, spacing: float):
     """What :func:`_mixture_tail` asks: every anchor's log moment generating function on its grid."""
     return lambda lambdas: [pld_module._log_mgf(first, masses, spacing, lambdas) for first, masses, _ in grids]
