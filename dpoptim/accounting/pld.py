@@ -476,10 +476,10 @@ def _fewest_groups(runs: tuple, limit: int, delta: float) -> tuple[int, tuple | 
     groups' curve may lie at most :data:`_FEWER_GROUPS_SHARE` above. Where measured,
     epsilon rose by about half the curves' rise, 0.04% at most (docs/accounting.md).
     Where the best order is the smallest (epsilon in the thousands and more, at small
-    sigma), the curves predicted a thirtieth of the rise, so the limit is kept there. Any grouping is sound
-    (each mixture dominates its steps): the prediction only steers the time. The choice is
-    kept by the groups ``limit`` would form and ``delta``, so a ledger grown by a step
-    re-uses it (and the transforms of its groups)."""
+    sigma), the curves predicted a thirtieth of the rise, so the limit is kept there.
+    Any grouping is sound (each mixture dominates its steps): the prediction only steers
+    the time. The choice is kept by the groups ``limit`` would form and ``delta``, so a
+    ledger grown by a step re-uses it (and the transforms of its groups)."""
     members = member_groups(runs, limit, False)[1]
     key = (tuple((group[0][:2], group[-1][:2]) for group in members), limit, delta)
     with _prefix_lock:
