@@ -1119,18 +1119,24 @@ def test_a_slowly_changing_schedule_is_composed_in_fewer_groups_for_almost_nothi
 
 
 def test_fewer_groups_are_refused_where_they_would_cost(monkeypatch):
-    # sigma 0.8 to 2 with q 0.002 to 0.02: 16 groups would cost 0.8% here, and the RDP
-    # curves say so; and at small sigma, where the best order is the smallest (epsilon in
-    # the hundreds of thousands), the curves are not trusted at any share.
+    # sigma 0.8 to 2 with q 0.002 to 0.02: 64 groups take a few tenths of a second above q
+    # 1e-3, so fewer are not tried at any share. Were they, 16 would cost 0.8% here and
+    # the RDP curves would say so; and at small sigma, where the best order is the smallest
+    # (epsilon in the hundreds of thousands), the curves are not trusted at any share.
     runs = _fast_schedule()
     _clear_groupings()
-    assert pld_epsilon(runs, DELTA) == pld_epsilon(runs, DELTA, max_groups=64)
-    assert pld_module._fewest_of(tuple(runs), 64, DELTA)[0] == 64
+    every = pld_epsilon(runs, DELTA, max_groups=64)
+    assert pld_epsilon(runs, DELTA) == every
     monkeypatch.setattr(pld_module, "_FEWER_GROUPS_SHARE", 1.0)
+    assert pld_module._fewest_of(tuple(runs), 64, DELTA)[0] == 64
+    monkeypatch.setattr(pld_module, "_FEWER_GROUPS_RATE", 1.0)
     _clear_groupings()
-    assert pld_epsilon(runs, DELTA) > 1.004 * pld_epsilon(runs, DELTA, max_groups=64)
+    assert pld_epsilon(runs, DELTA) > 1.004 * every
     small = tuple((0.433 * 1.0185 ** (i / 333), 0.0988, 29940) for i in range(334))
     assert pld_module._fewest_of(small, 64, 4.7e-8)[0] == 64
+    monkeypatch.undo()
+    monkeypatch.setattr(pld_module, "_FEWER_GROUPS_RATE", 1.0)
+    assert pld_module._fewest_of(tuple(runs), 64, DELTA)[0] == 64
 
 
 def test_the_choice_of_fewer_groups_is_kept_as_the_ledger_grows(monkeypatch):

@@ -452,8 +452,9 @@ def _mixture(runs: tuple, limit: int, corners: list) -> tuple | None:
 
 
 #: Fewer mixture groups tried under the default limit, each only where the one before
-#: was taken ...
+#: was taken, and only where every pair's q is at most :data:`_FEWER_GROUPS_RATE` ...
 _FEWER_GROUPS = (32, 16)
+_FEWER_GROUPS_RATE = 1e-3
 
 #: ... and taken where their RDP curve lies at most this share above the limit's, at
 #: every order whose epsilon is within :data:`_RELEVANT_ORDERS` of the best.
@@ -470,11 +471,15 @@ def _fewest_groups(runs: tuple, limit: int, delta: float) -> tuple[int, tuple | 
     Each group costs a transform per direction over the whole window, and on a schedule
     that changes slowly a quarter of the groups loses almost nothing: 10^4 runs from
     sigma 1 to 0.8 at q 1e-4 take 16 groups for 0.034% more epsilon in two fifths of the
-    time. What fewer groups cost is predicted by the mixtures' RDP curves
+    time. Only small q is worth it: there a step's body, about q wide, asks for bins so
+    fine that each transform spans 2^18 to 2^20 points; above q 1e-3, 64 groups take a
+    few tenths of a second at most. What fewer groups cost is predicted by the mixtures' RDP curves
     (:func:`~dpoptim.accounting.mixture.mixture_rdp`): at the orders whose epsilon
     (Canonne, Kamath & Steinke 2020, Prop. 12) is within twice the best, the fewer
     groups' curve may lie at most :data:`_FEWER_GROUPS_SHARE` above. Where measured,
-    epsilon rose by about half the curves' rise, 0.04% at most (docs/accounting.md).
+    epsilon rose by 0.3 to 0.6 times the curves' rise (0.04% at most), and once, at q
+    1.9e-3 with one sampled step expected and delta deep in its tail, by 2.6 times it
+    (0.15%: docs/accounting.md).
     Where the best order is the smallest (epsilon in the thousands and more, at small
     sigma), the curves predicted a thirtieth of the rise, so the limit is kept there.
     Any grouping is sound (each mixture dominates its steps): the prediction only steers
@@ -493,7 +498,7 @@ def _fewest_groups(runs: tuple, limit: int, delta: float) -> tuple[int, tuple | 
 def _fewest_of(runs: tuple, limit: int, delta: float) -> tuple[int, tuple | None]:
     """:func:`_fewest_groups`, computed."""
     chosen = limit, _mixture(runs, limit, coarsen_runs(runs, limit))
-    if chosen[1] is None:
+    if chosen[1] is None or max(run[1] for run in runs) > _FEWER_GROUPS_RATE:
         return chosen
     curve = mixture_rdp(chosen[1], _WINDOW_ORDERS, _window_rdp)
     epsilons = curve + conversion_terms(_WINDOW_ORDERS, delta)
@@ -3446,9 +3451,11 @@ class PLDAccountant(Accountant):
             epsilon at proportional cost.
         max_groups: most groups a ledger of many distinct ``(sigma, q)`` pairs is
             composed in (default ``None``: 64, see
-            :func:`~dpoptim.accounting.ledger.coarsen_runs`). Each group costs one
-            transform per direction; more groups give a tighter epsilon for long
-            schedules at proportional cost (``docs/accounting.md`` measures it).
+            :func:`~dpoptim.accounting.ledger.coarsen_runs`, or 16 or 32 where a slowly
+            changing schedule loses next to nothing by them: :func:`_fewest_groups`).
+            Each group costs one transform per direction; more groups give a tighter
+            epsilon for long schedules at proportional cost (``docs/accounting.md``
+            measures it). A value given is used as it is.
 
     >>> acc = PLDAccountant().compose(1.1, 0.004, count=10_000)
     >>> round(acc.get_epsilon(1e-5), 2)
