@@ -451,9 +451,9 @@ def _mixture(runs: tuple, limit: int, corners: list) -> tuple | None:
     return mixture
 
 
-#: Fewer mixture groups tried under the default limit, each only where the one before
-#: was taken, and only where every pair's q is at most :data:`_FEWER_GROUPS_RATE` ...
-_FEWER_GROUPS = (32, 16)
+#: Fewer mixture groups tried under the default limit, fewest first (the first taken
+#: ends the search), and only where every pair's q is at most :data:`_FEWER_GROUPS_RATE` ...
+_FEWER_GROUPS = (16, 32)
 _FEWER_GROUPS_RATE = 1e-3
 
 #: ... and taken where their RDP curve lies at most this share above the limit's, at
@@ -463,8 +463,8 @@ _RELEVANT_ORDERS = 2.0
 
 
 def _fewest_groups(runs: tuple, limit: int, delta: float) -> tuple[int, tuple | None]:
-    """``(groups, mixture)``: the fewest groups of :data:`_FEWER_GROUPS` (below ``limit``)
-    whose mixture costs next to nothing more than the one on ``limit`` groups, else
+    """``(groups, mixture)``: the first of :data:`_FEWER_GROUPS` (below ``limit``) whose
+    mixture costs next to nothing more than the one on ``limit`` groups, else
     ``limit``; and that mixture where it was computed here (None where the choice was
     kept from before, or no mixture beats the corners).
 
@@ -507,10 +507,9 @@ def _fewest_of(runs: tuple, limit: int, delta: float) -> tuple[int, tuple | None
         return chosen
     for fewest in (count for count in _FEWER_GROUPS if count < limit):
         fewer = _mixture(runs, fewest, coarsen_runs(runs, fewest))
-        if fewer is None or np.any(mixture_rdp(fewer, _WINDOW_ORDERS, _window_rdp)[relevant]
-                                   > curve[relevant] * (1.0 + _FEWER_GROUPS_SHARE)):
-            break
-        chosen = fewest, fewer
+        if fewer is not None and np.all(mixture_rdp(fewer, _WINDOW_ORDERS, _window_rdp)[relevant]
+                                        <= curve[relevant] * (1.0 + _FEWER_GROUPS_SHARE)):
+            return fewest, fewer
     return chosen
 
 
