@@ -248,17 +248,7 @@ def member_groups(runs: tuple, max_distinct: int, optimistic: bool = False) -> t
     the groups :func:`coarsen_runs` forms of the others, each a tuple of its distinct
     ``(sigma, q, count)`` members (equal pairs merged), at most ``max_distinct`` groups
     in all. ``runs`` holds ``(sigma, q, count)`` floats and ints."""
-    merged: dict[tuple[float, float], int] = {}
-    for sigma, q, count in runs:
-        if count:
-            key = (float(sigma), float(q))
-            merged[key] = merged.get(key, 0) + int(count)
-    # sigma = 0 (no guarantee) and sigma = inf (nothing revealed) stay as they are.
-    special = tuple((sigma, q, count) for (sigma, q), count in merged.items() if sigma == 0.0 or math.isinf(sigma))
-    items = sorted(
-        ((key, count) for key, count in merged.items() if 0.0 < key[0] < math.inf),
-        key=lambda item: (item[0][1], item[0][0]),
-    )
+    special, items, rounded = _ordered_pairs(runs)
     # The partition depends on the pairs and the rounded counts only: a ledger grown by a
     # step usually finds it cached. The merges it takes for free are cheap pessimistically
     # (a few steps at a group's smallest sigma), not optimistically: a lower bound keeps
@@ -267,12 +257,32 @@ def member_groups(runs: tuple, max_distinct: int, optimistic: bool = False) -> t
     if len(items) <= 1 or (optimistic and len(items) <= limit):
         sizes = (1,) * len(items)
     else:
-        sizes = _partition(tuple((key, _rounded_count(count)) for key, count in items), limit)
+        sizes = _partition(rounded, limit)
     groups, start = [], 0
     for size in sizes:
         groups.append(tuple((sigma, q, count) for (sigma, q), count in items[start:start + size]))
         start += size
     return special, tuple(groups)
+
+
+@functools.lru_cache(maxsize=8)
+def _ordered_pairs(runs: tuple) -> tuple[tuple, tuple, tuple]:
+    """For :func:`member_groups` (which asks it at several limits for one ledger):
+    ``(special, items, rounded)``, the runs of ``sigma = 0`` or ``inf``, the other distinct
+    pairs with their summed counts (``((sigma, q), count)``, ordered by ``(q, sigma)``), and
+    the same with counts rounded to quarter octaves (the partition's key)."""
+    merged: dict[tuple[float, float], int] = {}
+    for sigma, q, count in runs:
+        if count:
+            key = (float(sigma), float(q))
+            merged[key] = merged.get(key, 0) + int(count)
+    # sigma = 0 (no guarantee) and sigma = inf (nothing revealed) stay as they are.
+    special = tuple((sigma, q, count) for (sigma, q), count in merged.items() if sigma == 0.0 or math.isinf(sigma))
+    items = tuple(sorted(
+        ((key, count) for key, count in merged.items() if 0.0 < key[0] < math.inf),
+        key=lambda item: (item[0][1], item[0][0]),
+    ))
+    return special, items, tuple((key, _rounded_count(count)) for key, count in items)
 
 
 def _step_cost(sigma: float, q: float) -> float:
