@@ -581,6 +581,30 @@ def test_where_the_split_of_the_pairs_fails_its_first_answer_sizes_the_groups_gr
     pld_module._pld_epsilon.cache_clear()
 
 
+def test_a_split_whose_coarser_window_is_far_too_wide_builds_no_bulk_on_the_finer_bins(monkeypatch):
+    # The same 100 levels: sized again for its first answer (0.47), the split's bins are 32
+    # times finer and its window, 1.41 wide on the coarser ones, would need 1.4 times the
+    # 2^17 points allowed. It is refused before any bulk is built on the finer bins, with
+    # the answer it gave when it built them all and found them too wide.
+    steps = tuple((1.2 * 0.5 ** (i / 99), 1e-4, 1000) for i in range(100))
+    spacings, bulk = [], rare._bulk
+    monkeypatch.setattr(rare, "_bulk", lambda *args: spacings.append(args[3]) or bulk(*args))
+    answers, built = {}, {}
+    for margin in ("refused", "composed"):
+        if margin == "composed":
+            monkeypatch.setattr(rare, "_WIDE_MARGIN", math.inf)
+        rare._split_epsilon.cache_clear()
+        spacings.clear()
+        answers[margin] = (rare.split_epsilon(steps, "remove", 1e-6, 2.0, True, 2**17, strict=True),
+                           rare.split_epsilon(steps, "remove", 1e-6, 2.0, True, 2**17))
+        built[margin] = sorted(set(spacings))
+    rare._split_epsilon.cache_clear()
+    assert answers["refused"] == answers["composed"] and answers["composed"][0] is None
+    assert 0.45 < answers["composed"][1][0] < 0.5
+    coarse, = built["refused"]
+    assert built["composed"] == [coarse / 32, coarse]
+
+
 def test_a_run_wholly_inside_the_bulk_has_no_tail_term():
     # Two runs, one cut: the first run's whole support lies between the floor and the cut,
     # so it has no tail of its own (its +inf mass is still counted). It crashed the split

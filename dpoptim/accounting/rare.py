@@ -65,6 +65,15 @@ _MAX_POINTS = 2**21
 #: this share of epsilon (one standard deviation).
 _SPREAD_SHARE = 0.04
 
+#: A split on fewer than :data:`_MAX_POINTS` points whose coarser scale's window needs over
+#: this many times the points allowed at the finer bins is not composed (:func:`_split_on`).
+#: Where :func:`split_epsilon` sizes the grid again for its answer, bins 8 to 64 times finer
+#: hold the same bulks, whose window barely narrows (the coarser bins spread the loss by a
+#: few percent of epsilon at most: :func:`_bulk_spacing`), so it is refused before any bulk
+#: is discretised: 100 pairs of 1000 steps at q 1e-4 spent 0.35 s a call on bulks and sums
+#: that ended 1.36 times too wide (1.41 predicted). Only which answer is tried depends on it.
+_WIDE_MARGIN = 1.25
+
 #: Orders of the Chernoff bounds behind the terms' windows and tilts.
 _LAMBDAS = np.geomspace(1e-2, 1e7, 73)
 
@@ -100,15 +109,15 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, agai
     if not (1e-100 < guess < math.inf) or not steps:
         return None  # (below 1e-100 the grid's squared scale would underflow)
     total = sum(count for _, _, count in steps)
-    answer = None
+    answer = window = None
     for _ in range(8):
         scale = 2.0 ** math.floor(math.log2(guess))  # the cache key holds the guess to within a factor of 2
         finest = finest_spacing(scale, total)
         found = _split_epsilon(tuple(steps), direction, delta, finest, scale, np.dtype(dtype).str, points, whole,
-                               spacings, points >= _MAX_POINTS)
+                               spacings, points >= _MAX_POINTS, window)
         if found is None:
             return None if strict else answer
-        answer = found
+        answer, window = found[:2], found[2] if len(found) > 2 else None
         if not (again and 0.0 < found[0] < scale) or found[0] < enough:
             break
         guess = found[0]
@@ -118,11 +127,13 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, agai
 @functools.lru_cache(maxsize=16)
 def _split_epsilon(steps: tuple, direction: str, delta: float, spacing: float, scale: float, dtype: str,
                    points: int = _MAX_POINTS, whole: bool = False, spacings: tuple | None = None,
-                   blocks: bool = True):
+                   blocks: bool = True, window: tuple | None = None):
     """:func:`split_epsilon` for one grid scale, bins at most ``spacing``: the tails to split
     off (a side whose tail cannot matter is kept in the bulk), then the finest spacing the
     bulk's spread asks for (at least ``spacings[0]``, where given), coarser while a window
-    does not fit (up to ``spacings[1]``, where given)."""
+    does not fit (up to ``spacings[1]``, where given). Returns ``(epsilon, rounding decides,
+    window)`` (the last for the next scale: see :func:`_split_on`), or None. ``window``:
+    the previous scale's, where there was one."""
     dtype = np.dtype(dtype)
     floor, cut, bottom, reach = split_ends(steps, direction, delta, scale)
     if floor is None and cut is None and not whole:
@@ -137,7 +148,7 @@ def _split_epsilon(steps: tuple, direction: str, delta: float, spacing: float, s
         if found is not _TOO_WIDE:
             return found
     while h <= (scale / 64.0 if spacings is None else min(scale / 64.0, spacings[1])):
-        found = _split_on(steps, direction, delta, h, (floor, cut), scale, dtype, points)
+        found = _split_on(steps, direction, delta, h, (floor, cut), scale, dtype, points, before=window)
         if found is not _TOO_WIDE:
             return found
         if spacings is None and points < _MAX_POINTS:
@@ -214,7 +225,7 @@ def _cuts(steps: tuple, direction: str, delta: float) -> tuple[float, float]:
 
 
 def _split_on(steps: tuple, direction: str, delta: float, h: float, ends: tuple, scale: float, dtype,
-              points: int = _MAX_POINTS, blocks: tuple | None = None):
+              points: int = _MAX_POINTS, blocks: tuple | None = None, before: tuple | None = None):
     """The split's ``(epsilon, rounding decides)`` with bulks on spacing ``h`` between the
     losses ``ends = (floor, cut)`` (None: no tail on that side; neither: each step whole
     is its bulk), or None where no bulk is left, or :data:`_TOO_WIDE` where a window
@@ -230,23 +241,24 @@ def _split_on(steps: tuple, direction: str, delta: float, h: float, ends: tuple,
 
     ``blocks`` (one run): the losses its bulk spans, put on two scales (:mod:`.twoscale`),
     the split on the coarse grid; :data:`_TOO_WIDE` where that is not worth it or does
-    not fit."""
-    tail_share = _pld._TAIL_FRACTION * delta
+    not fit. An answer comes with the window of the term with no tail step, ``(ends,
+    width)``; ``before``: a coarser scale's (:func:`_known_too_wide`)."""
     two = _two_scales(steps, direction, delta, h, ends, scale, blocks) if blocks else None
     if blocks and two is None:
         return _TOO_WIDE
     h = h if two is None else two.spacing
-    bottoms, tops = _pld._tail_ends(steps, h, -(2**62), 2**62, tail_share)
+    bottoms, tops = _pld._tail_ends(steps, h, -(2**62), 2**62, _pld._TAIL_FRACTION * delta)
     bottoms, tops = bottoms[direction], tops[direction]
     if ends == (None, None):
-        return _whole(steps, direction, delta, h, bottoms, tops, dtype, points)
+        return _whole(steps, direction, delta, h, bottoms, tops, dtype, points)  # (no window for the next scale)
     floor, cut = ends
     step = scale * 2.0**-12  # the tails' finest bin
     lows = [bottom if floor is None else max(bottom, math.ceil(floor / h)) for bottom in bottoms]
     highs = [top if cut is None else min(top, math.floor(cut / h)) for top in tops]
     if any(high <= low for low, high in zip(lows, highs)):
         return None
-    if any(high - low > points for low, high in zip(lows, highs)):
+    if any(high - low > points for low, high in zip(lows, highs)) or (
+            two is None and _known_too_wide(before, ends, h, points)):
         return _TOO_WIDE
     bulks = [(low, _bulk(sigma, q, direction, h, low, high, low > bottom, high < top, step), count) if two is None
              else _twoscale.bulk(two, (sigma, q, count), direction, (low, high, low > bottom, high < top), step, delta)
@@ -269,9 +281,16 @@ def _split_on(steps: tuple, direction: str, delta: float, h: float, ends: tuple,
     infinite = math.fsum(bulk.infinite for bulk in bulks if isinstance(bulk, _twoscale.Bulk)) * (1.0 + weight)
     constant = (-math.expm1(log_finite) + weight * weight / 2.0 + infinite) * (1.0 + 1e-12)
     found = _invert(alone, readers, constant, delta)
-    if found is None or not (found[1] or two is not None) or not readers:  # (on two scales the retilt is cheap)
-        return found
-    return _retilted(found, alone, readers, constant, delta, (h, dtype, transforms, points))
+    if found is not None and (found[1] or two is not None) and readers:  # (on two scales the retilt is cheap)
+        found = _retilted(found, alone, readers, constant, delta, (h, dtype, transforms, points))
+    return None if found is None else (*found, (ends, alone.width if two is None else 0.0))
+
+
+def _known_too_wide(before: tuple | None, ends: tuple, h: float, points: int) -> bool:
+    """Whether the window ``before`` (``(ends, width)``, a coarser scale's) of the same bulk
+    ``ends`` would need over :data:`_WIDE_MARGIN` times ``points`` at bins ``h``, where that
+    is below :data:`_MAX_POINTS`."""
+    return before is not None and before[0] == ends and points < _MAX_POINTS and before[1] > _WIDE_MARGIN * points * h
 
 
 def _tail_terms(steps: tuple, direction: str, bulks: list, ends: tuple, grid: tuple, shared, scale: float):
@@ -442,8 +461,10 @@ class _Profile:
     a bound on the composed mass below the window, which wraps to its top."""
 
     def __init__(self, tilted: np.ndarray, log_untilt: np.ndarray, losses: np.ndarray, noise: tuple,
-                 wrap: float, mass: float, below: float = 0.0, tilt: float = 0.0, wrapped_in: tuple | None = None):
+                 wrap: float, mass: float, below: float = 0.0, tilt: float = 0.0, wrapped_in: tuple | None = None,
+                 width: float = 0.0):
         self.losses, self.noise, self.wrap, self.mass, self.below = losses, noise, wrap, mass, below
+        self.width = width  # the Chernoff window's, before it is rounded up to a power of two
         self.tilt, self.wrapped_in = tilt, wrapped_in  # wrapped_in: see _wrapped_in
         n = losses.size
         self.spacing = float(losses[-1] - losses[0]) / (n - 1)
@@ -599,7 +620,7 @@ def _term_profile(factors: list, h: float, delta: float, dtype, tilt: float | No
     # what lies above the window, for the lower bounds (none where the window holds it all)
     above_window = (tilt, n * h, _LAMBDAS, up + _LAMBDAS * offset) if i_low + n <= highest else None
     return _Profile(tilted, log_untilt, (i_low + np.arange(n)) * h + offset, noise, wrap, math.exp(log_mass), below,
-                    tilt, above_window)
+                    tilt, above_window, (i_top - i_low + 2) * h)
 
 
 def _composed(factors: list, h: float, i_low: int, n: int, tilt: float, dtype, transforms: dict) -> tuple:
