@@ -67,8 +67,8 @@ _SPREAD_SHARE = 0.04
 
 #: A split on fewer than :data:`_MAX_POINTS` points whose coarser scale's window needs over
 #: this many times the points allowed at the finer bins is not composed (:func:`_split_on`).
-#: Where :func:`split_epsilon` sizes the grid again for its answer, bins 8 to 64 times finer
-#: hold the same bulks, whose window barely narrows (the coarser bins spread the loss by a
+#: Where :func:`split_epsilon` sizes the grid again for its answer, bins several times finer
+#: (32 below) hold the same bulks, whose window barely narrows (the coarser bins spread by a
 #: few percent of epsilon at most: :func:`_bulk_spacing`), so it is refused before any bulk
 #: is discretised: 100 pairs of 1000 steps at q 1e-4 spent 0.35 s a call on bulks and sums
 #: that ended 1.36 times too wide (1.41 predicted). Only which answer is tried depends on it.
