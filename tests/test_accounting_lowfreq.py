@@ -137,6 +137,20 @@ def test_refined_bounds_hold_and_end_at_the_last_live_frequency():
         assert suffix[k] <= sharp.at(k) + 1e-15
 
 
+@settings(max_examples=40, deadline=None)
+@given(size=st.sampled_from([0, 1, 7, 511, 512, 513, 1024, 1500, 4096]), seed=st.integers(0, 2**32 - 1),
+       last=st.floats(0.0, 2.0))
+def test_the_suffix_maximum_is_the_one_a_full_suffix_array_holds(size, seed, last):
+    # Read at every index, block edges and the one past the values (``last`` alone) included.
+    values = np.random.default_rng(seed).random(size) * np.exp(-np.arange(size) / 300.0)
+    full = np.maximum.accumulate(np.append(values, last)[::-1])[::-1]
+    suffix = lowfreq.SuffixMax(values, last)
+    assert suffix.size == full.size
+    assert [suffix[i] for i in range(full.size)] == full.tolist()
+    with pytest.raises(IndexError):
+        suffix[full.size]
+
+
 def test_refined_bounds_of_whole_spectra_stay_sharp_where_the_group_alone_is_not_dead():
     # The route by full FFTs starts from the bound that holds everywhere (1 + 1e-9) and
     # passes the whole half-spectrum. A group of few steps never dies alone; its bounds

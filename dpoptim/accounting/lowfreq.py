@@ -70,15 +70,48 @@ _TABLE_UNITS = 24.0
 _UNIT = float(np.finfo(np.float64).eps) / 2
 
 
+class SuffixMax:
+    """``self[i]``: the largest of ``values[i:]`` and ``last`` (``last`` alone from
+    ``values.size`` on), for ``i`` from 0 to ``size - 1 = values.size``.
+
+    :class:`DeadBound` reads its suffix at a few dozen frequencies per group; a suffix
+    array as long as the spectrum (2^18 entries at 2^19 points) cost two passes that
+    write it, a third of the groups' bookkeeping at small q. Here one pass takes the
+    maxima of blocks of :data:`_SUFFIX_BLOCK` entries and each read scans at most one
+    block: the same floats (a maximum is exact)."""
+
+    def __init__(self, values: np.ndarray, last: float):
+        self.values, self.last, self.size = values, float(last), values.size + 1
+        whole = values.size // _SUFFIX_BLOCK * _SUFFIX_BLOCK
+        blocks = values[:whole].reshape(-1, _SUFFIX_BLOCK).max(axis=1) if whole else np.empty(0)
+        if whole < values.size:
+            blocks = np.append(blocks, values[whole:].max())
+        self.blocks = np.maximum.accumulate(np.append(blocks, self.last)[::-1])[::-1]
+
+    def __getitem__(self, i: int) -> float:
+        i = int(i)
+        if not 0 <= i < self.size:
+            raise IndexError(i)
+        block = i // _SUFFIX_BLOCK
+        head = self.values[i:min((block + 1) * _SUFFIX_BLOCK, self.values.size)]
+        rest = float(self.blocks[min(block + 1, self.blocks.size - 1)])
+        return max(float(head.max()), rest) if head.size else rest
+
+
+#: Entries per block of :class:`SuffixMax`.
+_SUFFIX_BLOCK = 512
+
+
 class DeadBound(NamedTuple):
     """Where a group's composed transform is dead, and how small its rows are beyond.
 
     Every row's modulus is at most the group's threshold :math:`e^{-dead/N}` at every
     frequency from ``end`` on, and at most ``suffix[i]`` at every frequency whose nearest
-    sample (a multiple of ``step``) is ``i`` or later (:meth:`at`)."""
+    sample (a multiple of ``step``) is ``i`` or later (:meth:`at`; ``suffix`` an array,
+    or a :class:`SuffixMax`)."""
 
     end: int
-    suffix: np.ndarray
+    suffix: np.ndarray | SuffixMax
     step: int
 
     def at(self, k: int) -> float:
@@ -136,8 +169,7 @@ def refined(bound: DeadBound, spectra: np.ndarray | None, count: int, dead: floa
     beyond = bound.at(modulus.size)  # past the transforms given: what ``bound`` says there
     if modulus.size >= bound.end:
         beyond = min(beyond, threshold)  # (``bound`` holds the threshold from its end on)
-    suffix = np.maximum.accumulate(np.append(modulus, beyond)[::-1])[::-1]
-    suffix.setflags(write=False)
+    suffix = SuffixMax(modulus, beyond)
     if cut >= bound.end or not suffix[cut] <= threshold:
         return DeadBound(bound.end, suffix, 1)
     return DeadBound(cut, suffix, 1)
