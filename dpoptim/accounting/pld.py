@@ -470,21 +470,23 @@ def _fewest_groups(runs: tuple, limit: int, delta: float) -> tuple[int, tuple | 
 
     Each group costs a transform per direction over the whole window, and on a schedule
     that changes slowly a quarter of the groups loses almost nothing: 10^4 runs from
-    sigma 1 to 0.8 at q 1e-4 take 16 groups for 0.034% more epsilon in two fifths of the
+    sigma 1 to 0.8 at q 1e-4 take 16 groups for 0.034% more epsilon in a third of the
     time. Only small q is worth it: there a step's body, about q wide, asks for bins so
     fine that each transform spans 2^18 to 2^20 points; above q 1e-3, 64 groups take a
-    few tenths of a second at most. What fewer groups cost is predicted by the mixtures' RDP curves
+    few tenths of a second at most (and one schedule there, with one sampled step
+    expected and delta deep in its tail, rose by 2.6 times the prediction below).
+
+    What fewer groups cost is predicted by the mixtures' RDP curves
     (:func:`~dpoptim.accounting.mixture.mixture_rdp`): at the orders whose epsilon
     (Canonne, Kamath & Steinke 2020, Prop. 12) is within twice the best, the fewer
     groups' curve may lie at most :data:`_FEWER_GROUPS_SHARE` above. Where measured,
-    epsilon rose by 0.3 to 0.6 times the curves' rise (0.04% at most), and once, at q
-    1.9e-3 with one sampled step expected and delta deep in its tail, by 2.6 times it
-    (0.15%: docs/accounting.md).
-    Where the best order is the smallest (epsilon in the thousands and more, at small
-    sigma), the curves predicted a thirtieth of the rise, so the limit is kept there.
-    Any grouping is sound (each mixture dominates its steps): the prediction only steers
-    the time. The choice is kept by the groups ``limit`` would form and ``delta``, so a
-    ledger grown by a step re-uses it (and the transforms of its groups)."""
+    epsilon rose by 0.3 to 0.6 times the curves' rise, 0.04% at most
+    (docs/accounting.md). Where the best order is the smallest (epsilon in the thousands
+    and more, at small sigma), the curves predicted a thirtieth of the rise, so the limit
+    is kept there. Any grouping is sound (each mixture dominates its steps): the
+    prediction only steers the time. The choice is kept by the groups ``limit`` would
+    form and ``delta``, so a ledger grown by a step re-uses it (and the transforms of
+    its groups)."""
     members = member_groups(runs, limit, False)[1]
     key = (tuple((group[0][:2], group[-1][:2]) for group in members), limit, delta)
     with _prefix_lock:
