@@ -12,7 +12,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
@@ -1108,6 +1108,49 @@ def test_the_rdp_of_a_mixture_step_averages_its_anchors_under_the_revealed_coin(
                    for row, count in zip(weights, group.counts)) / (order - 1.0)
     got = mixture_rdp((group,), np.array([order]), lambda sigma, q: np.array([order / (2.0 * sigma * sigma)]))
     assert got[0] == pytest.approx(expected, rel=1e-7)
+
+
+@settings(max_examples=25, deadline=None)
+@given(sigmas=st.tuples(st.floats(0.4, 4.0), st.floats(0.4, 4.0)), rates=st.tuples(st.floats(-5.0, -0.4),
+       st.floats(-5.0, -0.4)), pairs=st.integers(9, 60), steps=st.integers(1, 2000), limit=st.sampled_from([8, 16]))
+def test_the_rdp_of_mixture_groups_lies_between_their_pairs_and_their_corners(sigmas, rates, pairs, steps, limit):
+    # The accountant reports the mixture groups' RDP where it wins: it must bound the
+    # ledger's own pairs' RDP (every row dominates its steps), order by order, against
+    # each pair's RDP summed here; and it is never above the groups' corners'. Each RDP
+    # value carries its own rounding allowance, a few units in the last place of its
+    # ``log A_alpha``, so up to ``64 eps / (alpha - 1)`` a step apart (q 1e-5, sigma 2,
+    # order 1.01: 1e-11 a step, with 1.1e-4 of it between a pair and its mixture).
+    from dpoptim.accounting.ledger import Ledger
+    from dpoptim.accounting.mixture import mixture_rdp
+    from dpoptim.accounting.rdp import rdp_subsampled_gaussian
+
+    ledger = [(sigmas[0] + (sigmas[1] - sigmas[0]) * t / (pairs - 1),
+               10 ** (rates[0] + (rates[1] - rates[0]) * t / (pairs - 1)), steps) for t in range(pairs)]
+    corners, mixture = pld_module._grouped(list(Ledger(ledger).runs), limit, 0.0, False, 1e-6)
+    assume(mixture is not None)
+    orders = pld_module._WINDOW_ORDERS
+    own = sum(count * rdp_subsampled_gaussian(sigma, q, orders) for sigma, q, count in ledger)
+    mixed = mixture_rdp(mixture, orders, lambda sigma, q: rdp_subsampled_gaussian(sigma, q, orders))
+    cornered = sum(count * rdp_subsampled_gaussian(sigma, q, orders) for sigma, q, count in corners)
+    slack = pairs * steps * 64.0 * np.finfo(float).eps / (orders - 1.0)
+    assert np.all(own <= mixed * (1 + 1e-9) + slack), np.max((own - mixed) / slack)
+    assert np.all(mixed <= cornered * (1 + 1e-9) + slack), np.max((mixed - cornered) / slack)
+
+
+def test_a_mixture_ledger_too_coarse_for_its_grid_reports_its_mixtures_rdp(monkeypatch):
+    # Epsilon in the thousands over 40 pairs in two mixture groups, on 2^12 points: the
+    # grid's bins lose far more than RDP's conversion, and the groups' corners spread q by
+    # a factor of 2.6 each. Their mixtures' RDP is sound (the lower bound says) and far
+    # tighter than what the accountant reported without it.
+    ledger = [(1.25 - 0.25 * t / 39, 0.055 * (0.37 / 0.055) ** (t / 39), 1000) for t in range(40)]
+    reported = pld_epsilon(ledger, 1e-9, grid_points=2**12, max_groups=8)
+    with monkeypatch.context() as patch:
+        patch.setattr(pld_module, "_with_mixture_rdp", lambda best, *args: best)
+        pld_module._pld_epsilon.cache_clear()
+        without = pld_epsilon(ledger, 1e-9, grid_points=2**12, max_groups=8)
+    pld_module._pld_epsilon.cache_clear()
+    assert reported <= 0.9 * without
+    assert pld_epsilon_lower_bound(ledger, 1e-9, max_groups=40) <= reported
 
 
 def _slow_schedule(rate: float = 1e-4) -> list:

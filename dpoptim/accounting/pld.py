@@ -355,7 +355,7 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool
         pld = 0.0 if lower else math.inf  # no PLD answer here: the other bounds stand
     if lower:
         return max(pld, _split_lower(tuple(steps), deltas, shift, pld))
-    return min(pld, ceiling, _all_orders_rdp(bounded, rest_delta, min(pld, ceiling)))
+    return _costly_rdp_bounds(min(pld, ceiling), bounded, mixture, rest_delta)
 
 
 def _pld_answer(steps: list, deltas: dict, grid_points, lower: bool, ceiling: float, mixture, shift: float,
@@ -591,6 +591,39 @@ def _other_bounds(noisy: tuple, rest_delta: float) -> float:
     if min(run[0] for run in noisy) < 0.5 or max(run[1] for run in noisy) > 0.5:
         best = min(best, ledger_mixture_epsilon(noisy, rest_delta))
     return best
+
+
+def _costly_rdp_bounds(best: float, noisy: tuple, groups, rest_delta: float) -> float:
+    """The smaller of ``best`` and the RDP bounds computed only where they could win: on
+    all orders (:func:`_all_orders_rdp`, of ``noisy``) and of the mixture ``groups``."""
+    return _with_mixture_rdp(min(best, _all_orders_rdp(noisy, rest_delta, best)), groups, rest_delta)
+
+
+def _with_mixture_rdp(best: float, groups, rest_delta: float) -> float:
+    """The smaller of ``best`` and the RDP bound of mixture ``groups`` (None: none) on the
+    window's orders, computed only where it could be the smaller. Every step is dominated
+    by its row's revealed-coin mixture, whose RDP is the weighted log-mean-exp of its
+    anchors' (:func:`~dpoptim.accounting.mixture.mixture_rdp`), and RDP composes by adding
+    (Mironov 2017). It lies between the exact pairs' RDP and the groups' corners' (a
+    row's weighted mean is at most its heaviest anchor's term), and can be far below the
+    corners': where epsilon is in the hundreds of thousands the PLD's bins are coarse and
+    RDP all but tight (10^4 runs of 1000 steps, sigma 1.25 to 1.0 and q 0.055 to 0.37:
+    204,076 against 224,638 on the 16 groups' corners).
+
+    The log-mean-exp costs 50 ms over 10^4 rows, and the PLD is usually far below it: by
+    Jensen a row's log-mean-exp is at least the weighted mean of its anchors' RDP, whose
+    sum over the rows is a group's total weight on each anchor times that anchor's curve.
+    Where that curve's epsilon is not below ``best``, neither is the mixture's."""
+    if not groups:
+        return best
+    jensen = np.zeros(_WINDOW_ORDERS.size)
+    for group in groups:
+        weights = (np.asarray(group.counts, dtype=float)[:, None] * group.weights).sum(axis=0)
+        jensen += sum(weight * _window_rdp(*anchor) for weight, anchor in zip(weights, group.anchors))
+    if not epsilon_from_rdp(jensen, _WINDOW_ORDERS, rest_delta)[0] < best:
+        return best
+    curve = mixture_rdp(groups, _WINDOW_ORDERS, _window_rdp)
+    return min(best, epsilon_from_rdp(curve, _WINDOW_ORDERS, rest_delta)[0])
 
 
 def _all_orders_rdp(noisy: tuple, rest_delta: float, best: float) -> float:
