@@ -984,6 +984,38 @@ def test_a_tilt_far_above_the_answer_is_lowered_where_rounding_decides():
     assert_bracketed(pld_epsilon([(sigma, q, 1)], delta), low * (1 - 1e-6))
 
 
+@pytest.mark.skipif(not pld_module._EXTENDED_U < pld_module._U, reason="no extended precision here")
+def test_rounding_is_refined_only_where_it_could_lower_epsilon_by_more_than_a_share(monkeypatch):
+    # Two ledgers whose float64 answers rounding decides. Over 3000 steps a pair the
+    # allowance moves the answer by a few parts in 10^5 (6633.7 against 6632.2 refined):
+    # not refined, and within the share of the refined answer. Over 1000 steps of 150
+    # pairs it moves it by 1.4% (3504.0 against 3454.8): refined, as before.
+    composed = []
+    compose = pld_module._compose_direction
+
+    def counting(steps, direction, grid, delta, dtype, *args, **kwargs):
+        composed.append(np.dtype(dtype))
+        return compose(steps, direction, grid, delta, dtype, *args, **kwargs)
+
+    monkeypatch.setattr(pld_module, "_compose_direction", counting)
+
+    def ledger(runs, steps):
+        return [(1.25 - 0.25 * t / (runs - 1), 0.055 * (0.37 / 0.055) ** (t / (runs - 1)), steps) for t in range(runs)]
+
+    answers = {}
+    for share in (pld_module._REFINE_SHARE, 0.0):  # 0: every answer rounding decides is refined
+        monkeypatch.setattr(pld_module, "_REFINE_SHARE", share)
+        pld_module._pld_epsilon.cache_clear()
+        for runs, steps in ((100, 3000), (150, 1000)):
+            composed.clear()
+            answers[share, runs] = pld_epsilon(ledger(runs, steps), 1e-9), np.dtype(np.longdouble) in composed
+    pld_module._pld_epsilon.cache_clear()
+    gated, refined = answers[2.0**-10, 100], answers[0.0, 100]
+    assert refined[1] and not gated[1]
+    assert refined[0] < gated[0] <= refined[0] * (1 + 2.0**-10)
+    assert answers[2.0**-10, 150] == answers[0.0, 150] and answers[0.0, 150][1]
+
+
 def test_mixture_groups_are_cached_and_redone_in_extended_precision(monkeypatch):
     # Tiny q with tiny delta: the rounding allowance binds on the removal direction, which
     # decides the answer, and the mixtures are composed again in extended precision, above
