@@ -1016,6 +1016,27 @@ def test_rounding_is_refined_only_where_it_could_lower_epsilon_by_more_than_a_sh
     assert answers[2.0**-10, 150] == answers[0.0, 150] and answers[0.0, 150][1]
 
 
+@pytest.mark.parametrize("ledger", [[(0.5, 4e-6, 1000)], [(0.5 + 3.0 * t / 9, 4e-6, 100) for t in range(10)],
+                                    [(0.5 + 3.0 * t / 99, 4e-6, 10) for t in range(100)]])
+def test_an_epsilon_of_zero_is_composed_on_one_grid(monkeypatch, ledger):
+    # Where the chance that the example changes anything (the steps' total variation,
+    # subadditive: the sum of q (2 Phi(1 / 2 sigma) - 1)) is below delta, epsilon is 0
+    # exactly. The first grid certifies that; a sound 0 cannot be lowered, so no finer
+    # grid follows (the spread test asked for 2^19 points: 5 s for 1000 such pairs).
+    delta = 0.003
+    assert sum(count * q * (2.0 * stats.norm.cdf(0.5 / sigma) - 1.0) for sigma, q, count in ledger) < delta
+    grids = []
+    compose = pld_module._compose_direction
+
+    def counting(steps, direction, grid, *args, **kwargs):
+        grids.append(grid.n)
+        return compose(steps, direction, grid, *args, **kwargs)
+
+    monkeypatch.setattr(pld_module, "_compose_direction", counting)
+    assert pld_epsilon(ledger, delta) == 0.0
+    assert len(set(grids)) == 1, grids
+
+
 def test_mixture_groups_are_cached_and_redone_in_extended_precision(monkeypatch):
     # Tiny q with tiny delta: the rounding allowance binds on the removal direction, which
     # decides the answer, and the mixtures are composed again in extended precision, above
