@@ -1037,6 +1037,26 @@ def test_an_epsilon_of_zero_is_composed_on_one_grid(monkeypatch, ledger):
     assert len(set(grids)) == 1, grids
 
 
+def test_a_grid_that_rounding_decides_even_refined_is_not_refined_to_more_points(monkeypatch):
+    # Tiny q over 10^6 steps at delta 3.5e-12: on 2^17 points rounding decides removal's
+    # answer even in extended precision and at larger tilts. More points only raise the
+    # rounding allowance (it sums over the entries above the answer), so the finer grid
+    # the shift test asks for is not composed: 2^20 points (and 2^18) gave larger values
+    # at four times the cost. Checked against twice the points composed here.
+    ledger = [(0.648 + 3.02 * t / 199, 5.4e-6 * (2.9e-5 / 5.4e-6) ** (t / 199), 5000) for t in range(200)]
+    grids = []
+    compose = pld_module._compose_direction
+
+    def counting(steps, direction, grid, *args, **kwargs):
+        grids.append(grid.n)
+        return compose(steps, direction, grid, *args, **kwargs)
+
+    monkeypatch.setattr(pld_module, "_compose_direction", counting)
+    reported = pld_epsilon(ledger, 3.5e-12, max_groups=16)
+    assert len(set(grids)) == 1, sorted(set(grids))
+    assert reported <= pld_epsilon(ledger, 3.5e-12, grid_points=2 * grids[0], max_groups=16)
+
+
 def test_mixture_groups_are_cached_and_redone_in_extended_precision(monkeypatch):
     # Tiny q with tiny delta: the rounding allowance binds on the removal direction, which
     # decides the answer, and the mixtures are composed again in extended precision, above

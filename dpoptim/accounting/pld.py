@@ -809,7 +809,8 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
     if not lower and not any(epsilons.values()):
         return epsilons  # a sound 0 is exact (1000 pairs at q 4e-6 were refined to 2^20 points: 5 s)
     guess = max(epsilons.values()) / strict
-    if (grid.n < last and (guess < ceiling or unspread)
+    reported = max(epsilons, key=lambda d: epsilons[d] + (shift if d == _ADD else 0.0))
+    if (grid.n < last and (guess < ceiling or unspread) and reported not in bound
             and not _fine_for(steps, grid.spacing, guess, delta, grid.tilt, points=grid.n)):
         # The guess was too high: refine on the PLD's own answer, a grid at least twice finer.
         # Both upper bounds are sound; where rounding decides them the first can be the smaller.
