@@ -63,6 +63,13 @@ def tiny_q_schedule_ledger(pairs: int, sigmas: tuple, rates: tuple) -> list:
             for t in range(pairs)]
 
 
+def rate_schedule_ledger(runs: int, steps: int, sigmas: tuple, rates: tuple) -> list:
+    """``runs`` runs of ``steps`` steps, sigma moving linearly and q geometrically between
+    the two given."""
+    return [(sigmas[0] + (sigmas[1] - sigmas[0]) * t / (runs - 1), rates[0] * (rates[1] / rates[0]) ** (t / (runs - 1)),
+             steps) for t in range(runs)]
+
+
 def _ledgers():
     """(label, ledger, delta, target seconds or None)."""
     return [
@@ -77,6 +84,12 @@ def _ledgers():
          [(0.8 ** (i / 9_999), 1e-4, 100) for i in range(10_000)], 1e-5, None),
         ("small q: 100-run sigma schedule (sigma 1 -> 0.8, q 1e-5, 10^5 steps each)",
          [(0.8 ** (i / 99), 1e-5, 100_000) for i in range(100)], 1e-5, None),
+        ("tiny q: 1,000 runs of 1000 steps (sigma 0.648 -> 3.67, q 5.4e-6 -> 2.9e-5), delta 3.5e-12",
+         rate_schedule_ledger(1000, 1000, (0.648, 3.67), (5.4e-6, 2.9e-5)), 3.5e-12, None),
+        ("100 runs of 3000 steps (sigma 1.25 -> 1, q 0.055 -> 0.37), delta 1e-9 (rounding decides, by little)",
+         rate_schedule_ledger(100, 3000, (1.25, 1.0), (0.055, 0.37)), 1e-9, None),
+        ("10^4 runs of 1000 steps (sigma 1.25 -> 1, q 0.055 -> 0.37), delta 2.9e-10 (the mixtures' RDP answers)",
+         rate_schedule_ledger(10_000, 1000, (1.2467, 0.99642), (0.055327, 0.37285)), 2.852e-10, None),
         ("sigma 0.661, q 1e-6, 10^8 steps, delta 1e-12 (one rare loss decides)", [(0.661, 1e-6, 10**8)], 1e-12, None),
         ("T = 10^7 (sigma 1, q 1e-3)", [(1.0, 1e-3, 10**7)], 1e-5, None),
         ("T = 5x10^6 (sigma 1, q 1e-3)", [(1.0, 1e-3, 5 * 10**6)], 1e-5, None),
