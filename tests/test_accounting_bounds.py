@@ -1057,6 +1057,27 @@ def test_a_grid_that_rounding_decides_even_refined_is_not_refined_to_more_points
     assert reported <= pld_epsilon(ledger, 3.5e-12, grid_points=2 * grids[0], max_groups=16)
 
 
+def test_no_extended_precision_where_no_untilting_factor_is_representable(monkeypatch):
+    # Epsilon near 2*10^5 over 10^7 steps: at the grid's tilt every point's untilting
+    # factor, cgf - tilt * loss, is beyond e^300 (the bins spread each step's loss over
+    # 10^7 steps), and so at a quarter of it; those factors do not depend on the
+    # precision, so extended precision (6 s a direction on 2^20 points) is not tried.
+    ledger = [(1.25 - 0.25 * t / 99, 0.055 * (0.37 / 0.055) ** (t / 99), 100_000) for t in range(100)]
+    composed = []
+    compose = pld_module._compose_direction
+
+    def counting(steps, direction, grid, delta, dtype, *args, **kwargs):
+        found = compose(steps, direction, grid, delta, dtype, *args, **kwargs)
+        composed.append((np.dtype(dtype), found[1]))
+        return found
+
+    monkeypatch.setattr(pld_module, "_compose_direction", counting)
+    reported = pld_epsilon(ledger, 2.85e-10, max_groups=16)
+    assert 0.0 < reported < math.inf
+    assert any(binding == pld_module._UNTILTABLE for _, binding in composed)
+    assert all(dtype == np.float64 for dtype, _ in composed), composed
+
+
 def test_mixture_groups_are_cached_and_redone_in_extended_precision(monkeypatch):
     # Tiny q with tiny delta: the rounding allowance binds on the removal direction, which
     # decides the answer, and the mixtures are composed again in extended precision, above
