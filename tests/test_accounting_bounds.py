@@ -984,20 +984,27 @@ def test_a_tilt_far_above_the_answer_is_lowered_where_rounding_decides():
     assert_bracketed(pld_epsilon([(sigma, q, 1)], delta), low * (1 - 1e-6))
 
 
+def _record_compositions(monkeypatch) -> list:
+    """A list that receives ``(grid, dtype, answer)`` for every grid composed from now on."""
+    records = []
+    compose = pld_module._compose_direction
+
+    def recording(steps, direction, grid, delta, dtype, *args, **kwargs):
+        answer = compose(steps, direction, grid, delta, dtype, *args, **kwargs)
+        records.append((grid, np.dtype(dtype), answer))
+        return answer
+
+    monkeypatch.setattr(pld_module, "_compose_direction", recording)
+    return records
+
+
 @pytest.mark.skipif(not pld_module._EXTENDED_U < pld_module._U, reason="no extended precision here")
 def test_rounding_is_refined_only_where_it_could_lower_epsilon_by_more_than_a_share(monkeypatch):
     # Two ledgers whose float64 answers rounding decides. Over 3000 steps a pair the
     # allowance moves the answer by a few parts in 10^5 (6633.7 against 6632.2 refined):
     # not refined, and within the share of the refined answer. Over 1000 steps of 150
     # pairs it moves it by 1.4% (3504.0 against 3454.8): refined, as before.
-    composed = []
-    compose = pld_module._compose_direction
-
-    def counting(steps, direction, grid, delta, dtype, *args, **kwargs):
-        composed.append(np.dtype(dtype))
-        return compose(steps, direction, grid, delta, dtype, *args, **kwargs)
-
-    monkeypatch.setattr(pld_module, "_compose_direction", counting)
+    composed = _record_compositions(monkeypatch)
 
     def ledger(runs, steps):
         return [(1.25 - 0.25 * t / (runs - 1), 0.055 * (0.37 / 0.055) ** (t / (runs - 1)), steps) for t in range(runs)]
@@ -1008,7 +1015,8 @@ def test_rounding_is_refined_only_where_it_could_lower_epsilon_by_more_than_a_sh
         pld_module._pld_epsilon.cache_clear()
         for runs, steps in ((100, 3000), (150, 1000)):
             composed.clear()
-            answers[share, runs] = pld_epsilon(ledger(runs, steps), 1e-9), np.dtype(np.longdouble) in composed
+            answers[share, runs] = (pld_epsilon(ledger(runs, steps), 1e-9),
+                                    any(dtype == np.longdouble for _, dtype, _ in composed))
     pld_module._pld_epsilon.cache_clear()
     gated, refined = answers[2.0**-10, 100], answers[0.0, 100]
     assert refined[1] and not gated[1]
@@ -1025,16 +1033,9 @@ def test_an_epsilon_of_zero_is_composed_on_one_grid(monkeypatch, ledger):
     # grid follows (the spread test asked for 2^19 points: 5 s for 1000 such pairs).
     delta = 0.003
     assert sum(count * q * (2.0 * stats.norm.cdf(0.5 / sigma) - 1.0) for sigma, q, count in ledger) < delta
-    grids = []
-    compose = pld_module._compose_direction
-
-    def counting(steps, direction, grid, *args, **kwargs):
-        grids.append(grid.n)
-        return compose(steps, direction, grid, *args, **kwargs)
-
-    monkeypatch.setattr(pld_module, "_compose_direction", counting)
+    composed = _record_compositions(monkeypatch)
     assert pld_epsilon(ledger, delta) == 0.0
-    assert len(set(grids)) == 1, grids
+    assert len({grid.n for grid, _, _ in composed}) == 1, [grid.n for grid, _, _ in composed]
 
 
 def test_a_grid_that_rounding_decides_even_refined_is_not_refined_to_more_points(monkeypatch):
@@ -1044,17 +1045,11 @@ def test_a_grid_that_rounding_decides_even_refined_is_not_refined_to_more_points
     # the shift test asks for is not composed: 2^20 points (and 2^18) gave larger values
     # at four times the cost. Checked against twice the points composed here.
     ledger = [(0.648 + 3.02 * t / 199, 5.4e-6 * (2.9e-5 / 5.4e-6) ** (t / 199), 5000) for t in range(200)]
-    grids = []
-    compose = pld_module._compose_direction
-
-    def counting(steps, direction, grid, *args, **kwargs):
-        grids.append(grid.n)
-        return compose(steps, direction, grid, *args, **kwargs)
-
-    monkeypatch.setattr(pld_module, "_compose_direction", counting)
+    composed = _record_compositions(monkeypatch)
     reported = pld_epsilon(ledger, 3.5e-12, max_groups=16)
-    assert len(set(grids)) == 1, sorted(set(grids))
-    assert reported <= pld_epsilon(ledger, 3.5e-12, grid_points=2 * grids[0], max_groups=16)
+    points = {grid.n for grid, _, _ in composed}
+    assert len(points) == 1, sorted(points)
+    assert reported <= pld_epsilon(ledger, 3.5e-12, grid_points=2 * points.pop(), max_groups=16)
 
 
 def test_no_extended_precision_where_no_untilting_factor_is_representable(monkeypatch):
@@ -1063,19 +1058,11 @@ def test_no_extended_precision_where_no_untilting_factor_is_representable(monkey
     # 10^7 steps), and so at a quarter of it; those factors do not depend on the
     # precision, so extended precision (6 s a direction on 2^20 points) is not tried.
     ledger = [(1.25 - 0.25 * t / 99, 0.055 * (0.37 / 0.055) ** (t / 99), 100_000) for t in range(100)]
-    composed = []
-    compose = pld_module._compose_direction
-
-    def counting(steps, direction, grid, delta, dtype, *args, **kwargs):
-        found = compose(steps, direction, grid, delta, dtype, *args, **kwargs)
-        composed.append((np.dtype(dtype), found[1]))
-        return found
-
-    monkeypatch.setattr(pld_module, "_compose_direction", counting)
+    composed = _record_compositions(monkeypatch)
     reported = pld_epsilon(ledger, 2.85e-10, max_groups=16)
     assert 0.0 < reported < math.inf
-    assert any(binding == pld_module._UNTILTABLE for _, binding in composed)
-    assert all(dtype == np.float64 for dtype, _ in composed), composed
+    assert any(answer[1] == pld_module._UNTILTABLE for _, _, answer in composed)
+    assert all(dtype == np.float64 for _, dtype, _ in composed), [dtype for _, dtype, _ in composed]
 
 
 def test_mixture_groups_are_cached_and_redone_in_extended_precision(monkeypatch):
