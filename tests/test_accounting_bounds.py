@@ -984,6 +984,12 @@ def test_a_tilt_far_above_the_answer_is_lowered_where_rounding_decides():
     assert_bracketed(pld_epsilon([(sigma, q, 1)], delta), low * (1 - 1e-6))
 
 
+def _heavy_schedule(runs: int, steps: int) -> list:
+    """``runs`` runs of ``steps`` steps, sigma from 1.25 down to 1 and q from 0.055 up to
+    0.37: epsilon in the thousands and more, where rounding and coarse bins decide."""
+    return [(1.25 - 0.25 * t / (runs - 1), 0.055 * (0.37 / 0.055) ** (t / (runs - 1)), steps) for t in range(runs)]
+
+
 def _record_compositions(monkeypatch) -> list:
     """A list that receives ``(grid, dtype, answer)`` for every grid composed from now on."""
     records = []
@@ -1005,17 +1011,13 @@ def test_rounding_is_refined_only_where_it_could_lower_epsilon_by_more_than_a_sh
     # not refined, and within the share of the refined answer. Over 1000 steps of 150
     # pairs it moves it by 1.4% (3504.0 against 3454.8): refined, as before.
     composed = _record_compositions(monkeypatch)
-
-    def ledger(runs, steps):
-        return [(1.25 - 0.25 * t / (runs - 1), 0.055 * (0.37 / 0.055) ** (t / (runs - 1)), steps) for t in range(runs)]
-
     answers = {}
     for share in (pld_module._REFINE_SHARE, 0.0):  # 0: every answer rounding decides is refined
         monkeypatch.setattr(pld_module, "_REFINE_SHARE", share)
         pld_module._pld_epsilon.cache_clear()
         for runs, steps in ((100, 3000), (150, 1000)):
             composed.clear()
-            answers[share, runs] = (pld_epsilon(ledger(runs, steps), 1e-9),
+            answers[share, runs] = (pld_epsilon(_heavy_schedule(runs, steps), 1e-9),
                                     any(dtype == np.longdouble for _, dtype, _ in composed))
     pld_module._pld_epsilon.cache_clear()
     gated, refined = answers[2.0**-10, 100], answers[0.0, 100]
@@ -1057,7 +1059,7 @@ def test_no_extended_precision_where_no_untilting_factor_is_representable(monkey
     # factor, cgf - tilt * loss, is beyond e^300 (the bins spread each step's loss over
     # 10^7 steps), and so at a quarter of it; those factors do not depend on the
     # precision, so extended precision (6 s a direction on 2^20 points) is not tried.
-    ledger = [(1.25 - 0.25 * t / 99, 0.055 * (0.37 / 0.055) ** (t / 99), 100_000) for t in range(100)]
+    ledger = _heavy_schedule(100, 100_000)
     composed = _record_compositions(monkeypatch)
     reported = pld_epsilon(ledger, 2.85e-10, max_groups=16)
     assert 0.0 < reported < math.inf
@@ -1223,7 +1225,7 @@ def test_a_mixture_ledger_too_coarse_for_its_grid_reports_its_mixtures_rdp(monke
     # grid's bins lose far more than RDP's conversion, and the groups' corners spread q by
     # a factor of 2.6 each. Their mixtures' RDP is sound (the lower bound says) and far
     # tighter than what the accountant reported without it.
-    ledger = [(1.25 - 0.25 * t / 39, 0.055 * (0.37 / 0.055) ** (t / 39), 1000) for t in range(40)]
+    ledger = _heavy_schedule(40, 1000)
     reported = pld_epsilon(ledger, 1e-9, grid_points=2**12, max_groups=8)
     with monkeypatch.context() as patch:
         patch.setattr(pld_module, "_with_mixture_rdp", lambda best, *args: best)
