@@ -596,8 +596,8 @@ def _term_profile(factors: list, h: float, delta: float, dtype, tilt: float | No
     distribution there), or None where the window needs more than ``points`` points.
     ``offset``: added to the composed losses (the factors' grids sit that far above
     ``k h`` in all)."""
-    lambdas = np.concatenate([-_LAMBDAS[::-1], [0.0], _LAMBDAS])
-    cgf = sum(count * _pld._log_mgf(first, masses, h, lambdas) for first, masses, count in factors)
+    kept = {} if transforms is None else transforms
+    cgf = sum(count * _factor_log_mgf(first, masses, h, kept) for first, masses, count in factors)
     up, down = cgf[_LAMBDAS.size + 1:], cgf[:_LAMBDAS.size][::-1]
     log_share = math.log(_WRAP_SHARE * delta)
     lowest = sum(count * first for first, _, count in factors)
@@ -614,13 +614,28 @@ def _term_profile(factors: list, h: float, delta: float, dtype, tilt: float | No
         tilt = 2.0 ** (math.floor(4.0 * math.log2(float(_LAMBDAS[np.argmin(up - _LAMBDAS * (aim - offset))]))) / 4.0)
     if tilt is None:
         tilt = _pld._choose_tilt(_LAMBDAS, up - log_mass, n * h, min(delta * math.exp(-log_mass), 0.5))
-    tilted, log_untilt, noise = _composed(factors, h, i_low, n, tilt, dtype, {} if transforms is None else transforms)
+    tilted, log_untilt, noise = _composed(factors, h, i_low, n, tilt, dtype, kept)
     # composed mass at or below (i_low - 1) h, by the same Chernoff bounds
     below = 0.0 if i_low <= lowest else math.exp(min(float((down + _LAMBDAS * (i_low - 1) * h).min()), 0.0))
     # what lies above the window, for the lower bounds (none where the window holds it all)
     above_window = (tilt, n * h, _LAMBDAS, up + _LAMBDAS * offset) if i_low + n <= highest else None
     return _Profile(tilted, log_untilt, (i_low + np.arange(n)) * h + offset, noise, wrap, math.exp(log_mass), below,
                     tilt, above_window, (i_top - i_low + 2) * h)
+
+
+#: The orders of :func:`_term_profile`'s Chernoff bounds, both signs and 0 (in the middle).
+_SIGNED_LAMBDAS = np.concatenate([-_LAMBDAS[::-1], [0.0], _LAMBDAS])
+
+
+def _factor_log_mgf(first: int, masses: np.ndarray, h: float, kept: dict) -> np.ndarray:
+    """:func:`~dpoptim.accounting.pld._log_mgf` of one factor at :data:`_SIGNED_LAMBDAS`,
+    kept in ``kept`` (a split's ``transforms``) beside its masses, so that their ``id`` is
+    not reused while the entry lives. Each tailed run's profile of the other steps sums
+    the same factors again: 100 runs of one step spent 0.9 s of a 1.2 s call on them."""
+    key = ("log_mgf", id(masses), first, h)
+    if key not in kept:
+        kept[key] = (masses, _pld._log_mgf(first, masses, h, _SIGNED_LAMBDAS))
+    return kept[key][1]
 
 
 def _composed(factors: list, h: float, i_low: int, n: int, tilt: float, dtype, transforms: dict) -> tuple:
