@@ -1444,6 +1444,59 @@ def test_a_direction_settled_by_refinement_is_not_composed_on_a_coarser_grid(mon
         assert found["remove"] == 0.05 and bound == expected and not split
 
 
+def test_a_coarser_grid_is_tried_only_where_rounding_decides_the_reported_direction(monkeypatch):
+    # 300 runs of 30 steps at q 5.4e-6 to 2.9e-5, delta 3.5e-12: removal reported at 0.0709
+    # on 2^17 points, not decided by rounding; addition, at 0.0067, was. A coarser grid
+    # (2.2 s) can only lower the maximum through the reported direction.
+    for decided, expected in ((set(), [2**14, 2**17]), ({"add"}, [2**14, 2**17]),
+                              ({"remove"}, [2**14, 2**17, 2**15]), ({"add", "remove"}, [2**14, 2**17, 2**15])):
+        grids = []
+
+        def compose_on(steps, deltas, grid, bound, decided=decided, **kwargs):
+            grids.append(grid.n)
+            if len(grids) == 2:  # rounding decides on the finer grid
+                bound.update(decided)
+            return {"remove": 0.07, "add": 0.007}
+
+        monkeypatch.setattr(pld_module, "_compose_on", compose_on)
+        pld_module._compose_and_invert(((1.0, 1e-3, 1000),), {"remove": 3.5e-12, "add": 3.5e-12}, None, mixture=())
+        assert grids == expected, decided
+
+
+def test_refining_a_direction_stops_once_an_answer_is_below_enough():
+    # ``enough``: below it, the other direction's final value is all but sure to be above
+    # (a share of its grid value), so no lower answer is sought; the smallest so far stands.
+    if not np.finfo(np.longdouble).eps < np.finfo(float).eps:
+        pytest.skip("no extended precision here: nothing is refined")
+    grid = pld_module._Grid(spacing=2.0**-10, i_low=-1024, n=2**14, tops={}, tail=0.0, tilt=8.0)
+
+    def run(enough):
+        asked = []
+
+        def compose(on, dtype):
+            asked.append(on.tilt)
+            return 0.1 / len(asked), True  # each lower than the last, rounding deciding
+        return pld_module._refined(compose, grid, 0.2, enough=enough), asked
+
+    (value, binding), asked = run(0.0)
+    assert binding and len(asked) == 4 and value == 0.1 / 4  # extended precision, then three tilts up
+    (value, binding), asked = run(0.075)
+    assert binding and len(asked) == 2 and value == 0.1 / 2
+
+
+def test_a_climbed_answer_that_rounding_does_not_decide_is_reported_so():
+    # A larger tilt answered without rounding deciding: the direction is then not among
+    # those rounding decides (no coarser grid is tried for it).
+    if not np.finfo(np.longdouble).eps < np.finfo(float).eps:
+        pytest.skip("no extended precision here: nothing is refined")
+    grid = pld_module._Grid(spacing=2.0**-10, i_low=-1024, n=2**14, tops={}, tail=0.0, tilt=8.0)
+    up = 8.0 * 2.0**0.25
+    for climbed, expected in (((0.09, False), (0.09, False)), ((0.09, True), (0.085, True))):
+        answers = {8.0: (0.1, True), up: climbed, up * 2.0**0.25: (0.085, True)}
+        found = pld_module._refined(lambda on, dtype: answers.get(on.tilt, (math.inf, True)), grid, 0.2)
+        assert found == expected
+
+
 def test_a_ledger_of_mixture_groups_is_no_worse_than_the_run_that_dominates_it():
     # 445 pairs from sigma 0.49 up at one q: every step is dominated by the smallest sigma,
     # so epsilon is at most that run's (0 here: its total variation is below delta). The

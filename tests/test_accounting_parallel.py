@@ -54,6 +54,25 @@ def test_both_directions_refined_side_by_side_give_the_same_epsilon(monkeypatch)
     assert_same_side_by_side(monkeypatch, [(2648.43, 2e-5, 21_417_213)], 1.19e-9, "_rounding_bound")
 
 
+def test_a_direction_refined_alone_spreads_its_groups_and_transforms_over_both_threads(monkeypatch):
+    # 300 pairs (mixture groups) at q 5.4e-6 to 2.9e-5, delta 3.5e-12: removal is refined in
+    # extended precision alone, its groups' rows mixed half on each thread and its anchors
+    # transformed by two workers; the value is the one of one core.
+    runs = [(0.648 + (3.67 - 0.648) * t / 299, 5.4e-6 * (2.9e-5 / 5.4e-6) ** (t / 299), 1000) for t in range(300)]
+    fresh(monkeypatch, 1)
+    alone = pld_module.pld_epsilon(runs, 3.5e-12)
+    fresh(monkeypatch, 2)
+    mixed, workers = [], []
+    mix, count = pld_module._mixed_rows, pld_module._transform_workers
+    monkeypatch.setattr(pld_module, "_mixed_rows", lambda *args: mixed.append(
+        (threading.current_thread().name, pld_module._sides_running[0])) or mix(*args))
+    monkeypatch.setattr(pld_module, "_transform_workers", lambda: workers.append(count()) or workers[-1])
+    assert pld_module.pld_epsilon(runs, 3.5e-12) == alone
+    assert any(name.startswith("dpoptim-accounting") and sides <= 1 for name, sides in mixed)  # spread
+    assert 1 in workers and 2 in workers
+    assert pld_module._sides_running[0] == 0
+
+
 def test_the_stages_side_by_side_give_the_same_epsilon(monkeypatch):
     from dpoptim.accounting import staged
 
@@ -92,6 +111,7 @@ def test_an_error_in_the_background_direction_reaches_the_caller(monkeypatch):
 
     with pytest.raises(FloatingPointError, match="add failed"):
         pld_module._both_directions(failing)
+    assert pld_module._sides_running[0] == 0  # both sides counted out: transforms use every core again
 
 
 def _child(queue):

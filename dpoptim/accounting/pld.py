@@ -804,7 +804,7 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
         if early is not None:
             return early
     epsilons = compose_on(steps, deltas, grid)
-    reported = max(epsilons, key=lambda d: epsilons[d] + (shift if d == _ADD else 0.0))
+    reported = _reported(epsilons, shift)
     if reported in split:
         return epsilons  # the split's own grid answered the reported direction: no grid here can do better
     if not lower and not any(epsilons.values()):
@@ -823,10 +823,15 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
     if not lower and grid.n >= last and guess < ceiling and grid.spacing > _BIN_SHARE * guess:
         epsilons = _smaller_with(steps, deltas, epsilons, compose_on,
                                  _shorter_cut_grid(steps, delta, grid, max(epsilons.values())))
-    if bound and grid.n > first and guess < ceiling:
+    if _reported(epsilons, shift) in bound and grid.n > first and guess < ceiling:  # (else a coarser grid is no help)
         epsilons = _smaller_with(steps, deltas, epsilons, compose_on,
                                  _coarser_grid(steps, delta, grid, max(epsilons.values()), first))
     return epsilons
+
+
+def _reported(epsilons: dict, shift: float) -> str:
+    """The direction whose epsilon is reported: the larger, addition's raised by ``shift``."""
+    return max(epsilons, key=lambda d: epsilons[d] + (shift if d == _ADD else 0.0))
 
 
 #: The largest window of the split tried first (:func:`_split_first`): where the bulk's
@@ -1134,12 +1139,12 @@ def _rounding_bound(steps: tuple, direction: str, grid: _Grid, delta: float, val
     if split is not None and split[0] < enough:
         return min(value, split[0]), False, True  # sound, and below what the caller needs
     own = _own_tilt(steps, direction, grid, delta) if plain else None
-    value, binding = _refined(compose, grid, value, own, first)
+    value, binding = _refined(compose, grid, value, own, first, enough)
     return (value if split is None else min(value, split[0])), False, binding
 
 
 def _refined(compose, grid: _Grid, value: float, own_tilt: float | None = None,
-             first: tuple | None = None) -> tuple[float, bool]:
+             first: tuple | None = None, enough: float = 0.0) -> tuple[float, bool]:
     """``(answer, binding)``: the smallest of ``value`` (float64 on ``grid``, rounding-bound)
     and the answers of ``compose(grid, dtype)`` at other tilts and precisions, while
     rounding still decides: at the direction's ``own_tilt`` where it is above the grid's
@@ -1162,10 +1167,12 @@ def _refined(compose, grid: _Grid, value: float, own_tilt: float | None = None,
     upper bound, and so is their minimum. ``binding`` is False where one of the answers
     was not decided by rounding (the smallest is then at most that grid's value).
     ``first``: the float64 answer at the grid's tilt, where the caller has it (see
-    :func:`_once`).
+    :func:`_once`). ``enough``: no lower answer is sought once one is below it (see
+    :func:`_compose_on`: the other direction's final value is all but sure to be above).
     """
     extended = _EXTENDED_U < _U
-    compose = _once(compose, {} if first is None else {(grid.tilt, np.dtype(np.float64).str): first})
+    seen = {} if first is None else {(grid.tilt, np.dtype(np.float64).str): first}
+    compose = _once(compose, seen, enough)
     top = grid if own_tilt is None or not own_tilt > grid.tilt else dataclasses.replace(grid, tilt=own_tilt)
     binding = True
     if top is not grid:
@@ -1181,9 +1188,9 @@ def _refined(compose, grid: _Grid, value: float, own_tilt: float | None = None,
     if not binding:
         return value, False  # rounding does not decide it there: other tilts read the same grid
     if extended and grid.n <= _CLIMB_POINTS:
-        climbed = _climbed(compose, top, value)
+        climbed, binding = _climbed(compose, top, value)
         if climbed < value:
-            return climbed, True  # a larger tilt helps, so a smaller one would not
+            return climbed, binding  # a larger tilt helps, so a smaller one would not
     if top is not grid and extended:  # the grid's own tilt, in extended precision
         answer, binding = compose(grid, np.longdouble)
         value = min(value, answer)
@@ -1220,17 +1227,21 @@ def _smaller_tilts(compose, grid: _Grid, value: float, extended: bool, binding: 
     return value, binding
 
 
-def _once(compose, seen: dict):
+def _once(compose, seen: dict, enough: float = 0.0):
     """``compose(grid, dtype)``, each ``(tilt, dtype)`` computed once (one grid otherwise;
     ``seen``: answers already had, by ``(tilt, dtype.str)``). Where no grid point's
     untilting factor was representable at a tilt in float64 (:data:`_UNTILTABLE`), none is
     in extended precision either (the factors, ``cgf - tilt * loss``, do not depend on
     it), and the float64 answer stands for it: 10^4 runs of 1000 steps at q 0.055 to
-    0.37 composed 2^20 points in extended precision for 6 s a direction to find that."""
+    0.37 composed 2^20 points in extended precision for 6 s a direction to find that.
+    Once an answer is below ``enough``, later ones are ``(inf, True)`` without composing
+    (no help, and rounding may decide: what :func:`_refined` has stands)."""
     float64 = np.dtype(np.float64).str
 
     def composed(on: _Grid, dtype) -> tuple[float, bool]:
         key = (on.tilt, np.dtype(dtype).str)
+        if key not in seen and any(answer < enough for answer, _ in seen.values()):
+            return math.inf, True
         if key not in seen:
             base = seen.get((on.tilt, float64))
             untiltable = key[1] != float64 and base is not None and base[1] == _UNTILTABLE
@@ -1245,9 +1256,10 @@ def _once(compose, seen: dict):
 _CLIMB_POINTS = 2**17
 
 
-def _climbed(compose, grid: _Grid, value: float) -> float:
+def _climbed(compose, grid: _Grid, value: float) -> tuple[float, bool]:
     """The smallest of ``value`` and the extended-precision answers at tilts a quarter,
-    a half and three quarters of an octave above ``grid``'s, while each helps.
+    a half and three quarters of an octave above ``grid``'s, while each helps, and
+    whether rounding decided it (True for ``value``).
 
     The grid's tilt is capped so that what wraps around the window stays far below delta
     (:func:`_choose_tilt`), and set on a quarter-octave lattice. Where rounding decides
@@ -1257,16 +1269,16 @@ def _climbed(compose, grid: _Grid, value: float) -> float:
     0.320 at 45.3. The grid's tilt moving on its lattice as the step count grows made
     epsilon jump (down 1.1% from 911,178 to 946,152 steps); the best tilt on the lattice
     keeps the answer rising with the count."""
-    tilt = grid.tilt
+    tilt, decided = grid.tilt, True
     for _ in range(3):
         tilt *= 2.0**0.25
         answer, binding = compose(dataclasses.replace(grid, tilt=tilt), np.longdouble)
         if not answer < value:
             break
-        value = answer
+        value, decided = answer, binding
         if not binding:
             break
-    return value
+    return value, decided
 
 
 def _own_tilt(steps: tuple, direction: str, grid: _Grid, delta: float) -> float | None:
@@ -1306,9 +1318,52 @@ def _both_directions(compose) -> dict:
     """
     if not _side_by_side():
         return {direction: compose(direction) for direction in (_REMOVE, _ADD)}
-    added = background.executor(_THREAD_PURPOSE).submit(compose, _ADD)
-    removed = compose(_REMOVE)
+    _count_sides(2)
+    try:
+        added = background.executor(_THREAD_PURPOSE).submit(_counted, compose, _ADD)
+    except BaseException:
+        _count_sides(-2)
+        raise
+    removed = _counted(compose, _REMOVE)
     return {_REMOVE: removed, _ADD: added.result()}
+
+
+def _counted(compose, direction: str):
+    """``compose(direction)``, one side fewer running once it ends."""
+    try:
+        return compose(direction)
+    finally:
+        _count_sides(-1)
+
+
+#: How many sides of :func:`_both_directions` run now; while two do, a batch of
+#: transforms keeps to its own thread (:func:`_transform_workers`).
+_sides_running = [0]
+_sides_lock = threading.Lock()
+
+
+def _count_sides(change: int) -> None:
+    with _sides_lock:
+        _sides_running[0] += change
+
+
+def _spread(function, items: list) -> list:
+    """``[function(item) for item in items]``, the second half on the accounting's
+    background thread where that is idle (a direction composed alone, as in an extended
+    precision refinement, where mixing the groups' rows is most of the time): numpy's
+    array arithmetic releases the interpreter lock, and each item is computed alone."""
+    if len(items) < 2 or _sides_running[0] > 1 or not _side_by_side():
+        return [function(item) for item in items]
+    half = len(items) // 2
+    later = background.executor(_THREAD_PURPOSE).submit(lambda: [function(item) for item in items[half:]])
+    return [function(item) for item in items[:half]] + later.result()
+
+
+def _transform_workers() -> int:
+    """Threads for one batch of transforms (scipy splits the rows among them): every usable
+    core unless two directions run side by side, such as a direction refined alone in
+    extended precision (64 rows at 2^20 points: 3.7 s on one core); one otherwise."""
+    return 1 if _sides_running[0] > 1 else _usable_cores()
 
 
 _THREAD_PURPOSE = "accounting"
@@ -2517,6 +2572,10 @@ _prefix_lock = threading.Lock()
 #: about three times faster per row than one at a time (vectorised across rows).
 _BATCH_POINTS = 2**22
 
+#: Rows per call of scipy's rfft into the thread's buffers (scipy runs rows side by side
+#: in SIMD lanes, about twice numpy's speed on float64, but writes a new array).
+_FFT_ROWS = 8
+
 
 def _step_prefixes(items, n: int, tilt: float, dtype, optimistic: bool) -> list:
     r"""Each step's spectrum up to the frequency beyond which its ``count``-th power is dead.
@@ -2592,7 +2651,6 @@ def _placed_transform(rows: list, n: int, dtype, fresh: bool = False) -> np.ndar
     next call), or into a new array (``fresh``); the input buffer is all zeros again
     afterwards, whatever happened."""
     placed, spectra = _buffers(len(rows), n, dtype)
-    spectra = np.empty_like(spectra) if fresh else spectra
     where = []
     try:
         for row, (first, masses) in enumerate(rows):
@@ -2601,7 +2659,13 @@ def _placed_transform(rows: list, n: int, dtype, fresh: bool = False) -> np.ndar
             where.append(_circular_slices(first % n, masses.size, n))
             for columns, part in where[-1]:
                 placed[row, columns] = masses[part]
-        np.fft.rfft(placed, axis=1, out=spectra)
+        import scipy.fft  # (here: building an optimizer imports no scipy)
+
+        workers = _transform_workers()
+        if fresh:
+            spectra = scipy.fft.rfft(placed, axis=1, workers=workers)
+        for start in range(0, 0 if fresh else len(rows), _FFT_ROWS):
+            spectra[start:start + _FFT_ROWS] = scipy.fft.rfft(placed[start:start + _FFT_ROWS], axis=1, workers=workers)
     finally:
         for row, pieces in enumerate(where):
             for columns, _ in pieces:
@@ -2851,17 +2915,11 @@ def _mixture_product(groups, direction, grid: _Grid, delta: float, dtype) -> tup
     sums = [np.zeros(alive, dtype=real), np.zeros(alive, dtype=real), np.zeros(alive)]
     cgf = log_finite = cgf_size = 0.0
     dead_log_weight = -math.inf if alive == n // 2 + 1 else 0.0
-    # The rows depend on the group's weights and counts, which its transforms' key omits.
-    keys = [("rows", key, alive, group.counts, group.weights.tobytes())
-            for group, (key, _, _, _, _) in zip(groups, spectra)]
-    with _prefix_lock:
-        rows = [_prefix_cache.pop(key, None) for key in keys]
-    for index, (group, (_, prefixes, dead, parts, _)) in enumerate(zip(groups, spectra)):
-        if rows[index] is None:  # the group's rows on the live frequencies, kept for a ledger grown by a step
-            rows[index] = _mixed_rows(group, parts, prefixes, alive)
-        for total, part in zip(sums, rows[index][:3]):
+    keys, rows = _group_rows(groups, spectra, alive)
+    for group, (_, _, dead, _, _), row in zip(groups, spectra, rows):
+        for total, part in zip(sums, row[:3]):
             total += part
-        cgf, cgf_size, log_finite = (a + b for a, b in zip((cgf, cgf_size, log_finite), rows[index][3:]))
+        cgf, cgf_size, log_finite = (a + b for a, b in zip((cgf, cgf_size, log_finite), row[3:]))
         if alive < n // 2 + 1:
             # Past ``alive`` every row's modulus is at most the bound (a mixture of the anchors').
             with np.errstate(divide="ignore"):
@@ -2891,6 +2949,22 @@ def _mixture_product(groups, direction, grid: _Grid, delta: float, dtype) -> tup
     product = _Product(spectrum, log_weight, dead_log_weight, log_finite, cgf, total,
                        transform + 16.0 * unit + summing)
     return product, tail
+
+
+def _group_rows(groups, spectra: list, alive: int) -> tuple[list, list]:
+    """``(keys, rows)`` for :func:`_mixture_product`: each group's :func:`_mixed_rows` on the
+    first ``alive`` frequencies, taken from the cache where a ledger grown by a step left
+    them (under ``keys``: the rows depend on the group's weights and counts, which its
+    transforms' key omits), the others computed (:func:`_spread`)."""
+    keys = [("rows", key, alive, group.counts, group.weights.tobytes())
+            for group, (key, _, _, _, _) in zip(groups, spectra)]
+    with _prefix_lock:
+        rows = [_prefix_cache.pop(key, None) for key in keys]
+    missing = [index for index, row in enumerate(rows) if row is None]
+    for index, row in zip(missing, _spread(lambda i: _mixed_rows(groups[i], spectra[i][3], spectra[i][1], alive),
+                                           missing)):
+        rows[index] = row
+    return keys, rows
 
 
 @functools.lru_cache(maxsize=16)
