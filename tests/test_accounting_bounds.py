@@ -1447,6 +1447,31 @@ def test_a_direction_settled_by_refinement_is_not_composed_on_a_coarser_grid(mon
         assert found["remove"] == 0.05 and bound == expected and not split
 
 
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), exponent=st.floats(-300.0, 0.0))
+def test_the_mixed_rows_logarithms_and_angles_are_within_the_units_the_allowance_counts(seed, exponent):
+    # The rounding allowance counts 8 unit round-offs for each entry's log-modulus and angle
+    # (_rounding_allowance): against extended precision, the angle is within 4 units and
+    # the log-modulus within 2 plus one of its own size, for moduli down to 1e-305 (below
+    # 2^-480 the sum of squares gives way to hypot; subnormal entries are covered by the
+    # allowance's absolute floor instead).
+    if not np.finfo(np.longdouble).eps < np.finfo(float).eps:
+        pytest.skip("no extended precision here to judge against")
+    rng = np.random.default_rng(seed)
+    scale = 10.0**exponent
+    real, imag = rng.standard_normal(20_000) * scale, rng.standard_normal(20_000) * scale
+    real[:100] = 0.0  # the angle of a purely imaginary entry, and one of 0
+    imag[:10] = 0.0
+    unit = np.finfo(float).eps / 2
+    exact_angle = np.arctan2(imag.astype(np.longdouble), real.astype(np.longdouble))
+    assert np.all(np.abs(pld_module._reduced_angles(real, imag, np.ones(1)) - exact_angle) <= 4 * unit)
+    modulus = np.hypot(real.astype(np.longdouble), imag.astype(np.longdouble))
+    kept = modulus > 0
+    exact_log = np.log(modulus[kept])
+    found = pld_module._log_modulus(real, imag)[kept]
+    assert np.all(np.abs(found - exact_log) <= (2.0 + np.abs(exact_log).astype(float)) * unit)
+
+
 def test_a_coarser_grid_is_tried_only_where_rounding_decides_the_reported_direction(monkeypatch):
     # 300 runs of 30 steps at q 5.4e-6 to 2.9e-5, delta 3.5e-12: removal reported at 0.0709
     # on 2^17 points, not decided by rounding; addition, at 0.0067, was. A coarser grid

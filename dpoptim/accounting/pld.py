@@ -2851,16 +2851,16 @@ def _product(items, grid: _Grid, dtype, lower: bool) -> _Product:
 
 def _reduced_angles(real: np.ndarray, imag: np.ndarray, counts) -> np.ndarray:
     """``counts * angle(real + i imag)`` reduced to within pi of 0, as an angle mod 2 pi:
-    ``arctan(imag / real)``, plus pi where ``real < 0`` (the same mod 2 pi), twice as fast
-    as ``arctan2`` and within a few unit round-offs of the exact angle (the quotient, the
-    arctangent, the added pi: the allowance counts 8, see :func:`_rounding_allowance`);
-    the angle of 0 is taken as 0 (its modulus makes the product zero)."""
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        angle = np.arctan(imag / real)
-    angle[real < 0] += math.pi
-    angle[np.isnan(angle)] = 0.0
-    angle *= counts
-    angle -= (2.0 * math.pi) * np.rint(angle / (2.0 * math.pi))
+    ``arctan2``, within a few unit round-offs of the exact angle (the allowance counts 8,
+    see :func:`_rounding_allowance`; the angle of 0 is 0, and its modulus makes the
+    product zero; measured within 3.1 units over 2*10^7 random points against extended
+    precision, where the quotient's arctangent plus pi reached 10), times the counts and
+    reduced where one is above 1. (That quotient's masked addition alone took longer than
+    ``arctan2``: 30% more time for the mixing of 100 rows.)"""
+    angle = np.arctan2(imag, real)
+    if not np.all(counts == 1):
+        angle *= counts
+        angle -= (2.0 * math.pi) * np.rint(angle / (2.0 * math.pi))
     return angle
 
 
@@ -3074,8 +3074,7 @@ def _mixed_rows(group, parts: list, prefixes, alive: int) -> tuple:
         anchors = _anchor_block(prefixes, part)
         real = np.einsum("ca,rc->ar", anchors.real, shares)  # frequencies by rows; at most four anchors
         imag = np.einsum("ca,rc->ar", anchors.imag, shares)
-        with np.errstate(divide="ignore"):
-            log_modulus = np.log(np.hypot(real, imag))
+        log_modulus = _log_modulus(real, imag)
         angle = _reduced_angles(real, imag, counts.astype(real.dtype))
         (log_modulus * counts.astype(log_modulus.dtype)).sum(axis=1, out=sums[0][part])
         angle.sum(axis=1, out=sums[1][part])
@@ -3083,6 +3082,28 @@ def _mixed_rows(group, parts: list, prefixes, alive: int) -> tuple:
     p_inf = group.weights @ np.array([p_inf for p_inf, _ in parts])
     return (*sums, float(counts @ log_norms), float(counts @ (1.0 + np.abs(log_norms))),
             float(counts @ np.log1p(-np.minimum(p_inf, 1.0))))
+
+
+def _log_modulus(real: np.ndarray, imag: np.ndarray) -> np.ndarray:
+    """``log|real + i imag|`` as half the logarithm of the sum of squares, within a unit
+    round-off of ``log(hypot(real, imag))`` (the squares and their sum are within two of
+    the squared modulus, halved by the logarithm) at a tenth of its time in float64 (127
+    rows on 1032 frequencies: 0.14 ms against 1.4 ms); ``hypot`` where that sum is below
+    :data:`_SQUARES_FLOOR`, near the subnormals, where a square loses its relative precision."""
+    squares = real * real
+    squares += imag * imag
+    with np.errstate(divide="ignore"):
+        out = np.log(squares)
+        out *= 0.5
+        small = squares < _SQUARES_FLOOR
+        if small.any():
+            out[small] = np.log(np.hypot(real[small], imag[small]))
+    return out
+
+
+#: Sums of squares below this are not used by :func:`_log_modulus` (2^62 above float64's
+#: smallest normal number: what a square loses below it stays far under a unit round-off).
+_SQUARES_FLOOR = 2.0**-960
 
 
 #: Entries (frequencies times rows) :func:`_mixed_rows` mixes at a time.
