@@ -2650,8 +2650,10 @@ def _placed_transform(rows: list, n: int, dtype, fresh: bool = False) -> np.ndar
     window's bounds cover what lands beyond it), as one 2-D transform into the thread's buffers (valid until the
     next call), or into a new array (``fresh``); the input buffer is all zeros again
     afterwards, whatever happened."""
+    import scipy.fft  # (here: building an optimizer imports no scipy)
+
     placed, spectra = _buffers(len(rows), n, dtype)
-    where = []
+    workers, where = _transform_workers(), []
     try:
         for row, (first, masses) in enumerate(rows):
             if masses.size > n:  # longer than the circle (a lower bound's lowered window): fold it
@@ -2659,13 +2661,12 @@ def _placed_transform(rows: list, n: int, dtype, fresh: bool = False) -> np.ndar
             where.append(_circular_slices(first % n, masses.size, n))
             for columns, part in where[-1]:
                 placed[row, columns] = masses[part]
-        import scipy.fft  # (here: building an optimizer imports no scipy)
-
-        workers = _transform_workers()
         if fresh:
             spectra = scipy.fft.rfft(placed, axis=1, workers=workers)
-        for start in range(0, 0 if fresh else len(rows), _FFT_ROWS):
-            spectra[start:start + _FFT_ROWS] = scipy.fft.rfft(placed[start:start + _FFT_ROWS], axis=1, workers=workers)
+        else:
+            for start in range(0, len(rows), _FFT_ROWS):
+                part = slice(start, start + _FFT_ROWS)
+                spectra[part] = scipy.fft.rfft(placed[part], axis=1, workers=workers)
     finally:
         for row, pieces in enumerate(where):
             for columns, _ in pieces:
