@@ -131,3 +131,38 @@ def test_a_forked_process_starts_its_own_accounting_thread():
         child.kill()
     assert not alive, "the forked child hung on its parent's accounting thread"
     assert queue.get(timeout=5) == epsilon(1.3, 0.01, 500, DELTA)
+
+
+def _child_fresh(queue):
+    queue.put(epsilon(1.37, 0.011, 700, DELTA))  # new to the caches the child inherits
+
+
+def test_a_forked_child_does_not_inherit_accounting_locks_another_thread_held():
+    # Another thread of the parent holds the caches' lock and counts two sides running
+    # when the process forks: the child, which has no such thread, must not wait on them.
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with pld_module._prefix_lock, pld_module._sides_lock:
+            pld_module._sides_running[0] += 2
+            held.set()
+            release.wait(60)
+            pld_module._sides_running[0] -= 2
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        context = multiprocessing.get_context("fork")
+        queue = context.Queue()
+        child = context.Process(target=_child_fresh, args=(queue,))
+        child.start()
+        child.join(timeout=30)
+        alive = child.is_alive()
+        if alive:
+            child.kill()
+    finally:
+        release.set()
+        holder.join()
+    assert not alive, "the forked child waited on a lock its parent's other thread held"
+    assert queue.get(timeout=5) == epsilon(1.37, 0.011, 700, DELTA)

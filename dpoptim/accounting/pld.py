@@ -1347,6 +1347,19 @@ def _count_sides(change: int) -> None:
         _sides_running[0] += change
 
 
+def _after_fork_in_child() -> None:
+    """A forked child keeps only the thread that forked: a lock another thread held stays
+    held there for good, and the sides it counted never end. Both start afresh, as the
+    background threads do (:mod:`dpoptim.background`)."""
+    global _prefix_lock, _sides_lock
+    _prefix_lock, _sides_lock = threading.Lock(), threading.Lock()
+    _sides_running[0] = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _spread(function, items: list) -> list:
     """``[function(item) for item in items]``, the second half on the accounting's
     background thread where that is idle (a direction composed alone, as in an extended
