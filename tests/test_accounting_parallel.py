@@ -118,18 +118,25 @@ def _child(queue):
     queue.put(epsilon(1.3, 0.01, 500, DELTA))
 
 
+def _forked(target, timeout: float):
+    """``(hung, queue)``: run ``target(queue)`` in a forked child, killed if still running
+    after ``timeout`` seconds."""
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=target, args=(queue,))
+    child.start()
+    child.join(timeout=timeout)
+    hung = child.is_alive()
+    if hung:
+        child.kill()
+    return hung, queue
+
+
 def test_a_forked_process_starts_its_own_accounting_thread():
     # The parent's thread does not exist in a forked child: the child must not wait on it.
     epsilon(1.2, 0.01, 500, DELTA)  # the parent's thread is running now
-    context = multiprocessing.get_context("fork")
-    queue = context.Queue()
-    child = context.Process(target=_child, args=(queue,))
-    child.start()
-    child.join(timeout=60)
-    alive = child.is_alive()
-    if alive:
-        child.kill()
-    assert not alive, "the forked child hung on its parent's accounting thread"
+    hung, queue = _forked(_child, 60)
+    assert not hung, "the forked child hung on its parent's accounting thread"
     assert queue.get(timeout=5) == epsilon(1.3, 0.01, 500, DELTA)
 
 
@@ -153,16 +160,9 @@ def test_a_forked_child_does_not_inherit_accounting_locks_another_thread_held():
     holder.start()
     try:
         assert held.wait(10)
-        context = multiprocessing.get_context("fork")
-        queue = context.Queue()
-        child = context.Process(target=_child_fresh, args=(queue,))
-        child.start()
-        child.join(timeout=30)
-        alive = child.is_alive()
-        if alive:
-            child.kill()
+        hung, queue = _forked(_child_fresh, 30)
     finally:
         release.set()
         holder.join()
-    assert not alive, "the forked child waited on a lock its parent's other thread held"
+    assert not hung, "the forked child waited on a lock its parent's other thread held"
     assert queue.get(timeout=5) == epsilon(1.37, 0.011, 700, DELTA)
