@@ -1,0 +1,114 @@
+"""The split's bins (accounting/rare.py): coarser than the spread asks where they settle it.
+
+The spread test sizes the bulk's bins for how far connect-the-dots spreads it, not for
+what that moves epsilon. Where a rare tail step decides epsilon, bins much coarser give
+the same answer; :func:`rare._settled_coarser` composes the split on the coarsest bins the
+scale allows and on twice them, and keeps their answer only where the two agree. These
+tests hold that answer to the one on the asked bins, and check that it is refused where
+the spread does move epsilon, where rounding decides, and where the bulks are small.
+"""
+
+import math
+
+import pytest
+
+from dpoptim.accounting import rare
+
+
+def schedule(sigmas, rates, runs, steps):
+    """``runs`` runs of ``steps`` steps, sigma linear and q geometric between the ends."""
+    return tuple((sigmas[0] + (sigmas[1] - sigmas[0]) * t / (runs - 1),
+                  math.exp(math.log(rates[0]) + (math.log(rates[1]) - math.log(rates[0])) * t / (runs - 1)), steps)
+                 for t in range(runs))
+
+
+def split(steps, delta, guess, coarser: bool):
+    """Removal's split, with or without the coarser bins, and what they answered."""
+    answers = []
+    settled = rare._settled_coarser
+
+    def spy(*args):
+        answers.append(settled(*args))
+        return answers[-1]
+    original = rare._settled_coarser, rare._COARSER_RATIO
+    rare._settled_coarser, rare._COARSER_RATIO = spy, (rare._COARSER_RATIO if coarser else math.inf)
+    rare._split_epsilon.cache_clear()
+    try:
+        return rare.split_epsilon(steps, "remove", delta, guess), answers
+    finally:
+        rare._settled_coarser, rare._COARSER_RATIO = original
+        rare._split_epsilon.cache_clear()
+
+
+@pytest.mark.parametrize("runs, steps, delta, settles", [
+    (10, 100, 3.6e-7, True),  # a tail step decides: within 2.3e-4 of each other, 7e-5 of the asked
+    (20, 1000, 3.6e-7, False),  # the spread moves epsilon: the two coarser answers differ by 1.2%
+])
+def test_coarser_bins_answer_only_where_they_settle_the_split(monkeypatch, runs, steps, delta, settles):
+    # (small ledgers, so that the asked bins are quick too: the size gate is lifted)
+    monkeypatch.setattr(rare, "_COARSER_BINS", 0)
+    ledger = schedule((0.734, 4.91), (4.1e-6, 1e-6), runs, steps)
+    asked, _ = split(ledger, delta, 1e-3, coarser=False)
+    found, answers = split(ledger, delta, 1e-3, coarser=True)
+    assert asked is not None and not asked[1] and not found[1]
+    assert any(answer is not None for answer in answers) == settles
+    if settles:
+        assert found[0] != asked[0] and abs(found[0] - asked[0]) <= 2.0**-10 * asked[0]
+    else:
+        assert found == asked
+
+
+def fake_split_on(answers: dict, calls: list):
+    def split_on(steps, direction, delta, h, *args, **kwargs):
+        calls.append(h)
+        return answers[h]
+    return split_on
+
+
+def test_coarser_bins_take_the_smaller_answer_and_leave_them_for_the_finer_spacings(monkeypatch):
+    calls, tried = [], {}
+    monkeypatch.setattr(rare, "_widest_bulk", lambda *args: rare._COARSER_BINS)
+    monkeypatch.setattr(rare, "_split_on", fake_split_on({2.0: (1.0 + 2.0**-13, False, None),
+                                                          1.0: (1.0, False, None)}, calls))
+    found = rare._settled_coarser((), "remove", 1e-6, (0.25, 1.0), (None, 0.5), 64.0, None,
+                                  (2**19, None, False), tried)
+    assert found == (1.0, False, None) and calls == [2.0, 1.0] and set(tried) == {2.0, 1.0}
+
+
+@pytest.mark.parametrize("answers, why", [
+    ({2.0: (1.0 + 2.0**-11, False, None), 1.0: (1.0, False, None)}, "doubling the bins raised it by 2^-11"),
+    ({2.0: (1.0, False, None), 1.0: (1.0, True, None)}, "rounding decides on the finer bins"),
+    ({2.0: (1.0, True, None), 1.0: (1.0, False, None)}, "rounding decides on the coarser bins"),
+    ({2.0: rare._TOO_WIDE, 1.0: (1.0, False, None)}, "a window too wide"),
+    ({2.0: None, 1.0: (1.0, False, None)}, "no bulk left"),
+])
+def test_coarser_bins_that_do_not_settle_it_answer_nothing(monkeypatch, answers, why):
+    calls = []
+    monkeypatch.setattr(rare, "_widest_bulk", lambda *args: rare._COARSER_BINS)
+    monkeypatch.setattr(rare, "_split_on", fake_split_on(answers, calls))
+    assert rare._settled_coarser((), "remove", 1e-6, (0.25, 1.0), (None, 0.5), 64.0, None,
+                                 (2**19, None, False), {}) is None, why
+
+
+@pytest.mark.parametrize("widest, asked, points, none", [
+    (2**18 - 1, 0.25, 2**19, False),  # bulks too small for the coarser bins to be quicker
+    (2**18, 0.5, 2**19, False),  # only twice coarser than asked
+    (2**20, 0.25, 2**19, False),  # the caller would compose at 0.5 (the asked bins do not fit)
+])
+def test_coarser_bins_are_not_tried_where_they_save_little(monkeypatch, widest, asked, points, none):
+    calls = []
+    monkeypatch.setattr(rare, "_widest_bulk", lambda *args: widest)
+    monkeypatch.setattr(rare, "_split_on", fake_split_on({}, calls))
+    assert rare._settled_coarser((), "remove", 1e-6, (asked, 1.0), (None, 0.5), 64.0, None,
+                                 (points, None, none), {}) is None
+    assert calls == []
+
+
+def test_where_the_caller_answers_none_for_bins_too_wide_coarser_ones_are_still_tried(monkeypatch):
+    # The asked bins (2^20 wide) do not fit 2^19 points, and this caller answers None
+    # then: the coarser bins, four times coarser than asked, may still settle it.
+    calls = []
+    monkeypatch.setattr(rare, "_widest_bulk", lambda *args: 2**20)
+    monkeypatch.setattr(rare, "_split_on", fake_split_on({2.0: (1.0, False, None), 1.0: (1.0, False, None)}, calls))
+    assert rare._settled_coarser((), "remove", 1e-6, (0.25, 1.0), (None, 0.5), 64.0, None,
+                                 (2**19, None, True), {}) == (1.0, False, None)
