@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dpoptim.accounting import pld as pld_module
@@ -65,12 +65,24 @@ def test_a_thinned_step_keeps_its_ends_and_spreads_the_loss_within_its_budget(st
     assert extra <= pld_module._THIN_SHARE * spacing * min(absolute, spacing / 4.0) * 1.001 + 1e-300
 
 
+def mass_above(first, masses, spacing, epsilons):
+    losses = (first + np.arange(masses.size)) * spacing
+    return np.array([float(masses[losses > e].sum()) for e in epsilons])
+
+
 @settings(max_examples=40, deadline=None)
+@example(step=(2.75, 1e-06, "remove", 2.9802322387695312e-08, 1.0, -34, 4017))
 @given(steps())
 def test_a_thinned_step_dominates_the_step_on_every_point(step):
     # Connect-the-dots onto fewer points is connect-the-dots of the full grid's
     # distribution again (each atom's P- and Q-mass kept, split between the two points
     # around it): a mean-preserving spread of e^-L, so every privacy profile rises.
+    # Below the first skipped point both profiles are equal, up to rounding: a bin's split
+    # between points h apart is set by its loss less the lower point's, a difference of
+    # logarithms that errs by a few units of their size (30 or so), so each atom above
+    # epsilon moves its Q-mass by about 1e-14 of its P-mass. At bins of 3e-8 that was 2.6e-9
+    # of a profile of 7.7e-21, itself 1e-6 of the mass above epsilon: the slack is 2^-40 of
+    # that mass, times e^epsilon.
     sigma, q, direction, spacing, tilt, lo, hi = step
     full = pld_module._grid_distribution(sigma, q, direction, spacing, lo, hi, False, None)
     thinned = pld_module._grid_distribution(sigma, q, direction, spacing, lo, hi, False, tilt)
@@ -78,7 +90,8 @@ def test_a_thinned_step_dominates_the_step_on_every_point(step):
     assert thinned[2] == full[2]  # the mass at +inf: the top bin is the same
     assert math.isclose(thinned[1].sum(), full[1].sum(), rel_tol=1e-9)
     epsilons = np.concatenate([[-1.0, 0.0], (lo + (hi - lo) * np.linspace(0.0, 1.0, 25)) * spacing])
-    assert np.all(profile(*thinned, spacing, epsilons) >= profile(*full, spacing, epsilons) * (1 - 1e-9) - 1e-300)
+    slack = 2.0**-40 * np.exp(np.maximum(epsilons, 0.0)) * mass_above(*full[:2], spacing, epsilons)
+    assert np.all(profile(*thinned, spacing, epsilons) >= profile(*full, spacing, epsilons) * (1 - 1e-9) - slack - 1e-300)
 
 
 @settings(max_examples=25, deadline=None)
