@@ -8,7 +8,7 @@ import math
 import random
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dpoptim.accounting import (
@@ -33,6 +33,7 @@ deltas = log_uniform(1e-10, 1e-3)
 
 @settings(max_examples=12)
 @given(sigma=sigmas, q=rates, steps=step_counts, delta=deltas)
+@example(sigma=1.0, q=0.8290291181804004, steps=184425, delta=math.exp(-7.0))  # RDP's answer, 1 ulp above it
 def test_pld_is_never_above_rdp(sigma, q, steps, delta):
     pld = epsilon(sigma, q, steps, delta)
     rdp = epsilon(sigma, q, steps, delta, accountant="rdp")

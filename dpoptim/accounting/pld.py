@@ -319,10 +319,10 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool
     mixture) take the noiseless steps by basic composition, at :math:`\delta - p_0`.
 
     **The minimum of sound bounds.** The PLD answer is compared with the RDP bound
-    (:mod:`.rdp`) and the Gaussian-mixture bound
+    (:mod:`.rdp`, read at delta itself without noiseless steps: never above the RDP
+    accountant, not even by an ulp) and the Gaussian-mixture bound
     (:func:`~dpoptim.accounting.gaussian.mixture_epsilon`, tight for tiny sigma, exact
-    for q = 1); each is an upper bound, so their minimum is one too.
-    """
+    for q = 1); each is an upper bound, so their minimum is one too."""
     runs = tuple(run for run in runs if not math.isinf(run.noise_multiplier))
     blind = [run for run in runs if run.noise_multiplier == 0.0]
     noisy = tuple(run for run in runs if run.noise_multiplier > 0.0)
@@ -343,10 +343,10 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool
         return _shifted_max({d: _gaussian_epsilon_bound(deltas[d], mu, lower) for d in deltas}, shift)
     rest_delta = (delta - p0) * (1.0 - 1e-12)
     steps, mixture = _grouped(subsampled, max_groups, mu, lower, rest_delta)
-    # The other bounds of a ledger of many pairs are taken on the groups' corners (they
-    # dominate it): cheaper than on its own groups, and only a ceiling there.
+    # many pairs: the other bounds on the groups' corners (they dominate it), cheaper and only a ceiling there
     bounded = tuple(Run(*step) for step in steps) if mixture else noisy
-    ceiling = math.inf if lower else _other_bounds(bounded, rest_delta)
+    rdp_delta = delta if p0 == 0.0 else rest_delta  # (no difference to round: as the RDP accountant)
+    ceiling = math.inf if lower else _other_bounds(bounded, rdp_delta)
     try:
         early, hint = _ungrouped_split(subsampled, deltas, shift, bool(mixture and rare_split and not mu))
         pld = _shifted_max(early or _pld_answer(steps, deltas, grid_points, lower, ceiling, mixture, shift,
@@ -355,7 +355,7 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool
         pld = 0.0 if lower else math.inf  # no PLD answer here: the other bounds stand
     if lower:
         return max(pld, _split_lower(tuple(steps), deltas, shift, pld))
-    return _costly_rdp_bounds(min(pld, ceiling), bounded, mixture, rest_delta)
+    return _costly_rdp_bounds(min(pld, ceiling), bounded, mixture, rdp_delta)
 
 
 def _pld_answer(steps: list, deltas: dict, grid_points, lower: bool, ceiling: float, mixture, shift: float,
