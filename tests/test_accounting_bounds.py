@@ -568,8 +568,12 @@ def test_where_the_split_of_the_pairs_fails_its_first_answer_sizes_the_groups_gr
     hints, grids = [], []
     inner, compose = pld_module._ungrouped_split, pld_module._compose_on
     monkeypatch.setattr(pld_module, "_ungrouped_split", lambda *a: hints.append(inner(*a)) or hints[-1])
-    monkeypatch.setattr(pld_module, "_compose_on", lambda steps, deltas, grid, **k: grids.append(grid.n)
-                        or compose(steps, deltas, grid, **k))
+
+    def composed(steps, deltas, grid, **k):
+        if "known" not in k:  # (a call given the float64 answers composes them no more)
+            grids.append(grid.n)
+        return compose(steps, deltas, grid, **k)
+    monkeypatch.setattr(pld_module, "_compose_on", composed)
     pld_module._pld_epsilon.cache_clear()
     upper = epsilon_of_ledger(runs, 1e-6)
     pld_module._pld_epsilon.cache_clear()

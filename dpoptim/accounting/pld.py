@@ -803,7 +803,7 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
         early = _split_first(steps, deltas, guess, shift=shift)
         if early is not None:
             return early
-    epsilons = compose_on(steps, deltas, grid)
+    epsilons = _first_grid(steps, deltas, grid, compose_on, (mixture, lower, ceiling, strict, last))
     reported = _reported(epsilons, shift)
     if reported in split:
         return epsilons  # the split's own grid answered the reported direction: no grid here can do better
@@ -827,6 +827,32 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
         epsilons = _smaller_with(steps, deltas, epsilons, compose_on,
                                  _coarser_grid(steps, delta, grid, max(epsilons.values()), first))
     return epsilons
+
+
+#: :func:`_first_grid` leaves unrefined only first grids of at least this many points.
+_UNREFINED_POINTS = 2**19
+
+
+def _first_grid(steps: tuple, deltas: dict, grid: _Grid, compose_on, call: tuple) -> dict:
+    """:func:`_compose_and_invert`'s answers on its first ``grid``: ``compose_on`` them, but
+    for mixture groups (``call``: ``(mixture, lower, ceiling, strict, last)`` of that call)
+    their float64 answers alone where those already call for a finer grid (not fine for
+    their own maximum, below ``ceiling``, on fewer than ``last`` points): refining them
+    would only lower that maximum, and a lower guess asks for a finer grid still
+    (:func:`_fine_for`), whose answers are taken beside these. 10^4 runs of 1000 steps at
+    q 1e-6, delta 6.7e-7: extended precision on 2^19 points lowered 0.0607 to 0.0601 in
+    7 s, where 2^20 points then gave 0.0525. The split of :mod:`.rare`, which can settle a
+    direction on the first grid, is not among a mixture's refinements."""
+    mixture, lower, ceiling, strict, last = call
+    delta = min(deltas.values())
+    if mixture is None or lower or not _UNREFINED_POINTS <= grid.n < last:
+        return compose_on(steps, deltas, grid)
+    first = compose_on(steps, deltas, grid, refine=False)
+    quick = {direction: value for direction, (value, _) in first.items()}
+    guess = max(quick.values()) / strict
+    if 0.0 < guess < ceiling and not _fine_for(steps, grid.spacing, guess, delta, grid.tilt, points=grid.n):
+        return quick
+    return compose_on(steps, deltas, grid, known=first)
 
 
 def _reported(epsilons: dict, shift: float) -> str:
@@ -963,40 +989,40 @@ def _shorter_cut_grid(steps: tuple, delta: float, grid: _Grid, guess: float):
     return other
 
 
-def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: float = 0.0,
-                bound: set | None = None, split: set | None = None, rare_split: bool = True,
-                settle_first: bool = False, uncertified: set | None = None) -> dict:
-    """Epsilon of each direction on ``grid``: both composed side by side in float64, then
-    refined where rounding decides a direction's answer (:func:`_refined`), unless that
-    direction cannot set the reported ``max(remove, add + shift)``. Refining only lowers
-    a value (the smaller of sound answers is kept), so a direction already below the
-    other's final value leaves the maximum as it is: the larger is refined first (on a
-    tie, both), then the other if it is now at least as large. The result is the maximum
-    that refining both would give (all but always: see :data:`_FIRST_SPLIT_SHARE`).
-    Each direction refined is added to ``bound`` where rounding may still decide it, or
-    to ``split`` where the split of :mod:`.rare` alone answered it (with ``rare_split``).
+def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: float = 0.0, bound: set | None = None,
+                split: set | None = None, rare_split: bool = True, settle_first: bool = False,
+                uncertified: set | None = None, refine: bool = True, known: dict | None = None) -> dict:
+    """Epsilon of each direction on ``grid``: both composed side by side in float64, then refined
+    where rounding decides a direction's answer (:func:`_refined`), unless that direction cannot
+    set the reported ``max(remove, add + shift)``. Refining only lowers a value (the smaller of
+    sound answers is kept), so a direction already below the other's final value leaves the
+    maximum as it is: the larger is refined first (on a tie, both), then the other if it is
+    now at least as large. The result is the maximum that refining both would give (all but
+    always: see :data:`_FIRST_SPLIT_SHARE`). Each direction refined is added to ``bound``
+    where rounding may still decide it, or to ``split`` where the split of :mod:`.rare`
+    alone answered it (with ``rare_split``).
 
     ``settle_first`` (the calibration's model, :func:`model_epsilon`): one after the
     other, and the other's quickest candidate first (float64 at its own tilt where that
     is above the grid's), the rest only where that is still above the larger's final
     value. The maximum is the same; side by side, the other's split could take four times
-    the larger's refinement for nothing (q 1.72e-6, 8.2*10^7 steps: 0.9 s, for 0.40 below 0.62)."""
+    the larger's refinement for nothing (q 1.72e-6, 8.2*10^7 steps: 0.9 s, for 0.40 below 0.62).
+    Without ``refine``: the float64 answers, ``{direction: (epsilon, rounding decides)}``,
+    which a later call takes as ``known`` rather than composing them again (:func:`_first_grid`)."""
     def compose(direction: str, on: _Grid, dtype) -> tuple[float, bool]:
         return _compose_direction(steps, direction, on, deltas[direction], dtype, mixture=mixture)
 
-    first = _both_directions(lambda direction: _first_answer(compose, direction, grid, uncertified))
+    first = known or _both_directions(lambda direction: _first_answer(compose, direction, grid, uncertified))
+    if not refine:
+        return first
     epsilons = {direction: value for direction, (value, _) in first.items()}
     offsets = {_REMOVE: 0.0, _ADD: shift}
     order = sorted(epsilons, key=lambda d: epsilons[d] + offsets[d], reverse=True)
-
-    def refinable(direction: str) -> bool:
-        return first[direction][1] and epsilons[direction] > 0.0  # an epsilon of 0 cannot be lowered
-
+    refinable = {d: first[d][1] and epsilons[d] > 0.0 for d in epsilons}  # (an epsilon of 0 cannot be lowered)
     grid_values = {direction: epsilons[direction] + offsets[direction] for direction in epsilons}
 
     def refine(direction: str, floor: float = 0.0) -> tuple[float, bool, bool]:
-        # below a share of the other's grid value, or ``floor`` (the other's final value, or
-        # nearly), the other's own refinement is (all but) sure to stay above: not sought
+        # none sought below a share of the other's grid value or ``floor`` (its final value): it stays above
         enough = max(_ENOUGH_SHARE * grid_values[_other(direction)], floor) - offsets[direction]
         return _rounding_bound(steps, direction, grid, deltas[direction], epsilons[direction],
                                functools.partial(compose, direction), mixture is None, rare_split, enough,
@@ -1004,7 +1030,7 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
 
     # both near each other: the second is usually refined too, side by side on two cores
     larger, smaller = (epsilons[d] + offsets[d] for d in order)
-    both = not settle_first and all(map(refinable, order)) and smaller >= _SIDE_BY_SIDE_SHARE * larger
+    both = not settle_first and all(refinable.values()) and smaller >= _SIDE_BY_SIDE_SHARE * larger
     if both and mixture is None:  # the quickest candidates first: one may settle far below the other
         order, both = _quick_first(steps, deltas, grid, epsilons, offsets, compose)
     floors = (_split_floors(steps, deltas, epsilons, offsets) if both and mixture is None and rare_split
@@ -1012,7 +1038,7 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
     ahead = _both_directions(lambda d: refine(d, floors[_other(d)])) if both and _side_by_side() else {}
     for direction in order:
         other = _other(direction)
-        if refinable(direction) and epsilons[direction] + offsets[direction] >= epsilons[other] + offsets[other]:
+        if refinable[direction] and epsilons[direction] + offsets[direction] >= epsilons[other] + offsets[other]:
             second = settle_first and mixture is None and direction == order[1]  # (own tilts: plain steps)
             fast = _quick_refined(steps, direction, grid, deltas[direction], compose) if second else math.inf
             if fast + offsets[direction] <= epsilons[other] + offsets[other]:
