@@ -97,7 +97,8 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, agai
     949,724 steps, delta 8.1e-4, with bins of 2^-10 of 0.5). ``points``: the
     largest window; below :data:`_MAX_POINTS`, a bulk too wide for it at the spacing its
     spread asks for gives None (no coarser spacing is tried: the split would not be the
-    tighter answer there, nor the cheaper). ``spacings``: ``(finest, coarsest)``, where
+    tighter answer there, nor the cheaper), unless coarser bins settle it
+    (:func:`_settled_coarser`). ``spacings``: ``(finest, coarsest)``, where
     given: spacings are tried from ``finest`` up (none finer: the caller needs none),
     coarser while a window does not fit, up to ``coarsest`` and none above it, whatever
     ``points``. ``whole``: where no tail reaches epsilon's
@@ -131,7 +132,8 @@ def _split_epsilon(steps: tuple, direction: str, delta: float, spacing: float, s
     """:func:`split_epsilon` for one grid scale, bins at most ``spacing``: the tails to split
     off (a side whose tail cannot matter is kept in the bulk), then the finest spacing the
     bulk's spread asks for (at least ``spacings[0]``, where given), coarser while a window
-    does not fit (up to ``spacings[1]``, where given). Returns ``(epsilon, rounding decides,
+    does not fit (up to ``spacings[1]``, where given), or far coarser bins where they
+    settle it (:func:`_settled_coarser`). Returns ``(epsilon, rounding decides,
     window)`` (the last for the next scale: see :func:`_split_on`), or None. ``window``:
     the previous scale's, where there was one."""
     dtype = np.dtype(dtype)
@@ -214,7 +216,7 @@ def _settled_coarser(steps: tuple, direction: str, delta: float, spacings: tuple
     for h in (2.0 * coarse, coarse):
         found = tried[h] = _split_on(steps, direction, delta, h, ends, scale, dtype, points, before=before)
         if found is None or found is _TOO_WIDE or found[1]:
-            return None  # (rounding decides: the finer bins may settle it)
+            return None  # (no answer, or rounding decides: the asked bins may do better)
         answers.append(found)
     if not answers[0][0] - answers[1][0] <= _SETTLED_RISE * answers[1][0]:
         return None
