@@ -1071,6 +1071,19 @@ def test_no_extended_precision_where_no_untilting_factor_is_representable(monkey
     assert all(dtype == np.float64 for _, dtype, _ in composed), [dtype for _, dtype, _ in composed]
 
 
+def test_no_extended_precision_where_the_mass_beyond_the_window_alone_exceeds_delta(monkeypatch):
+    # Epsilon near 1.8*10^5 (q 0.014 to 0.098 over 10^7 steps, delta 0.027): the bound on
+    # what lies beyond the grid's window is 1, above delta by itself at every point, in any
+    # precision; extended precision (5.6 s a direction on 2^20 points) is not tried, and
+    # the other bounds answer.
+    ledger = [(0.597 - 0.131 * t / 99, 0.0137 * (0.0978 / 0.0137) ** (t / 99), 100_000) for t in range(100)]
+    composed = _record_compositions(monkeypatch)
+    reported = pld_epsilon(ledger, 0.027)
+    assert 0.0 < reported <= epsilon_of_ledger(ledger, 0.027, accountant="rdp")
+    assert composed and all(answer == (math.inf, pld_module._UNTILTABLE) for _, _, answer in composed)
+    assert all(dtype == np.float64 for _, dtype, _ in composed), [dtype for _, dtype, _ in composed]
+
+
 def test_mixture_groups_are_cached_and_redone_in_extended_precision(monkeypatch):
     # Tiny q with tiny delta: the rounding allowance binds on the removal direction, which
     # decides the answer, and the mixtures are composed again in extended precision, above

@@ -2843,6 +2843,8 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
         labels = losses + offset - 4.0 * _U * (np.abs(losses) + offset)
         return _invert_profile(tilted, log_untilt, labels, -below, noise, delta, lower=True)
     constant = -math.expm1(parts.log_finite) + tail
+    if constant > delta * (1.0 + 2.0**-20):
+        return math.inf, _UNTILTABLE  # what lies at +inf or beyond the window: no precision certifies a point
     return _invert_profile(tilted, log_untilt, losses, constant, noise, delta)
 
 
@@ -3545,7 +3547,11 @@ def _invert_profile(tilted, log_untilt, losses, constant, noise, delta, lower: b
 
 #: :func:`_invert_profile`'s ``binding`` where no grid point's untilting factor is
 #: representable: true, as rounding decides (a smaller tilt may certify), but no other
-#: precision can at that tilt (:func:`_once`). Not ``True`` (which equals 1).
+#: precision can at that tilt (:func:`_once`). Not ``True`` (which equals 1). Also
+#: :func:`_compose_direction`'s where the mass at +inf and the bound on what lies beyond
+#: the window exceed delta by themselves (neither depends on the precision, up to far less
+#: than the margin of 2^-20 of delta): 10^4 runs of 1000 steps at q 0.014 to 0.098, where
+#: epsilon is 1.8*10^5, spent 5.6 s in extended precision on 2^20 points to find that.
 _UNTILTABLE = 2
 
 
