@@ -1489,6 +1489,42 @@ def test_the_mixed_rows_logarithms_and_angles_are_within_the_units_the_allowance
     assert np.all(np.abs(found - exact_log) <= (2.0 + np.abs(exact_log).astype(float)) * unit)
 
 
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 40), count=st.sampled_from([1, 2, 7, 1000]),
+       smallest=st.floats(1e-3, 1.0))
+def test_the_rows_product_errs_by_no_more_units_than_their_logarithms_would(seed, rows, count, smallest):
+    # Rows of equal count are multiplied before one logarithm and angle: c (sqrt 5 (N - 1) + 8)
+    # units at most (_row_products), which the allowance's 8 per step and row covers.
+    if not np.finfo(np.longdouble).eps < np.finfo(float).eps:
+        pytest.skip("no extended precision here to judge against")
+    rng = np.random.default_rng(seed)
+    modulus = rng.uniform(smallest, 1.0, (rows, 500))
+    angle = rng.uniform(-np.pi, np.pi, (rows, 500))
+    values = modulus * np.exp(1j * angle)
+    log_modulus, found_angle = pld_module._row_products(values, np.array([0]), np.array([float(count)]))
+    wide = values.astype(np.clongdouble)
+    exact_log = np.log(np.abs(wide)).sum(axis=0)
+    exact_angle = count * np.arctan2(wide.imag, wide.real).sum(axis=0)
+    unit = np.finfo(float).eps / 2
+    allowed = (math.sqrt(5.0) * (rows - 1) + 2.0 + np.abs(exact_log).astype(float)) * unit
+    assert np.all(np.abs(log_modulus[0] - exact_log) <= allowed)
+    turn = (found_angle[0] - exact_angle) / (2 * np.pi)
+    off = np.abs(turn - np.rint(turn)).astype(float) * 2 * np.pi
+    assert np.all(off <= count * (math.sqrt(5.0) * (rows - 1) + 4.0) * unit + 8.0 * np.pi * count * unit)
+
+
+def test_rows_whose_product_leaves_the_normal_numbers_are_summed_one_by_one():
+    # Three rows of modulus 1e-200 multiply to 1e-600, below float64's range: their
+    # logarithms are summed instead, and other frequencies keep the product.
+    values = np.array([[1e-200 + 0j, 0.5j], [1e-200j, 0.5 + 0j], [-1e-200 + 0j, 0.5 + 0j]])
+    log_modulus, angle = pld_module._row_products(values, np.array([0, 2]), np.array([1.0, 3.0]))
+    assert log_modulus[0, 0] == pytest.approx(2 * math.log(1e-200), rel=1e-14)
+    assert log_modulus[0, 1] == pytest.approx(2 * math.log(0.5), rel=1e-14)
+    assert log_modulus[1, 0] == pytest.approx(math.log(1e-200), rel=1e-14)
+    assert angle[0, 0] == pytest.approx(np.pi / 2, rel=1e-14) and angle[0, 1] == pytest.approx(np.pi / 2, rel=1e-14)
+    assert abs(angle[1, 0] - 3 * np.pi) % (2 * np.pi) == pytest.approx(0.0, abs=1e-13)
+
+
 def test_a_coarser_grid_is_tried_only_where_rounding_decides_the_reported_direction(monkeypatch):
     # 300 runs of 30 steps at q 5.4e-6 to 2.9e-5, delta 3.5e-12: removal reported at 0.0709
     # on 2^17 points, not decided by rounding; addition, at 0.0067, was. A coarser grid
