@@ -726,14 +726,9 @@ def _composed(factors: list, h: float, i_low: int, n: int, tilt: float, dtype, t
     other products of the same split."""
     log_modulus = angle = 0.0
     log_scale, log_weight = 0.0, 0.0
+    _transform_missing(factors, h, n, tilt, dtype, transforms)
     for first, masses, count in factors:
-        key = (id(masses), first, tilt, n)  # the factors' arrays live as long as ``transforms``
-        if key not in transforms:
-            start, values, _, log_mgf = _pld._tilted(first, masses, 0.0, h, tilt)
-            spectrum = _pld._placed_transform([(start, values)], n, dtype)[0].copy()
-            with np.errstate(divide="ignore"):
-                transforms[key] = (spectrum, np.log(np.abs(spectrum)), log_mgf)
-        spectrum, log_abs, log_mgf = transforms[key]
+        spectrum, log_abs, log_mgf = transforms[(id(masses), first, tilt, n)]
         log_modulus = log_modulus + count * log_abs
         angle = angle + _pld._reduced_angles(spectrum.real, spectrum.imag, count)
         # (a factor taken once adds nothing: 0 times a log of 0 would be nan)
@@ -751,6 +746,28 @@ def _composed(factors: list, h: float, i_low: int, n: int, tilt: float, dtype, t
         noise = _pld._rounding_allowance(n, total_steps, np.exp(log_weight), np.abs(spectrum).astype(np.float64),
                                          unit)
     return tilted, log_untilt, noise
+
+
+def _transform_missing(factors: list, h: float, n: int, tilt: float, dtype, transforms: dict) -> None:
+    """Put into ``transforms`` the tilted spectrum, its log modulus and the log MGF of each
+    factor not there yet, keyed by its array's ``id`` (the arrays live as long as
+    ``transforms``), the grid size and the tilt; in batches of rows, one 2-D transform each
+    (a run's profile of the other steps has a factor per run: 100 runs of one step
+    spent 1.7 s of 2.7 s transforming them one by one)."""
+    missing, seen = [], set()
+    for first, masses, _ in factors:
+        key = (id(masses), first, tilt, n)
+        if key not in transforms and key not in seen:
+            seen.add(key)
+            missing.append((key, _pld._tilted(first, masses, 0.0, h, tilt)))
+    rows = max(1, _pld._BATCH_POINTS // n)
+    for start in range(0, len(missing), rows):
+        batch = missing[start:start + rows]
+        spectra = _pld._placed_transform([(first, values) for _, (first, values, _, _) in batch], n, dtype)
+        for (key, (_, _, _, log_mgf)), spectrum in zip(batch, spectra):
+            spectrum = spectrum.copy()
+            with np.errstate(divide="ignore"):
+                transforms[key] = (spectrum, np.log(np.abs(spectrum)), log_mgf)
 
 
 #: Above this many runs with tails of their own, the split bounds each run's profile of
