@@ -2164,12 +2164,17 @@ def test_block_moment_generating_function_bounds_the_plain_sum(sigma, q, directi
        losses=st.lists(st.floats(-50.0, 50.0), min_size=1, max_size=20))
 def test_the_masses_either_side_of_many_losses_are_each_ones_two_bins(sigma, q, direction, losses):
     # The split's cuts ask for the P-mass at or below and above many losses at once; for
-    # each it is exactly what the bins of that loss alone give (the bisections depend on it).
+    # each it is exactly what the bins of that loss alone give (the bisections depend on
+    # it), rounded as they come and bounded alike.
     losses = np.array(losses + [0.0])
-    below, above = pld_module._split_log_masses(sigma, q, direction, losses)
+    below, above = pld_module._split_log_masses(sigma, q, direction, losses, bounded=False)
+    high_below, high_above = pld_module._split_log_masses(sigma, q, direction, losses)
     for k, loss in enumerate(losses):
         alone = pld_module._bin_log_masses(sigma, q, direction, np.array([loss]))[3]
         assert (below[k], above[k]) == (alone[0], alone[1])
+        bounded = pld_module._split_log_masses(sigma, q, direction, np.array([loss]))
+        assert (high_below[k], high_above[k]) == (bounded[0][0], bounded[1][0])
+        assert high_below[k] >= below[k] and high_above[k] >= above[k]
 
 
 @settings(max_examples=30, deadline=None)

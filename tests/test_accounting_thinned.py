@@ -82,7 +82,11 @@ def test_a_thinned_step_dominates_the_step_on_every_point(step):
     # logarithms that errs by a few units of their size (30 or so), so each atom above
     # epsilon moves its Q-mass by about 1e-14 of its P-mass. At bins of 3e-8 that was 2.6e-9
     # of a profile of 7.7e-21, itself 1e-6 of the mass above epsilon: the slack is 2^-40 of
-    # that mass, times e^epsilon.
+    # that mass, times e^epsilon. Each grid's split is also biased up by its own rounding
+    # bounds (pld._connect_the_dots), by a share about 1e-13 over the bin's width, which
+    # differs between the two grids: 1e-7 of the profile covers that (measured at most
+    # 6.7e-9 over 150 examples). Each distribution bounds the exact one on its own
+    # (test_accounting_grid_rounding.py, thinned points included).
     sigma, q, direction, spacing, tilt, lo, hi = step
     full = pld_module._grid_distribution(sigma, q, direction, spacing, lo, hi, False, None)
     thinned = pld_module._grid_distribution(sigma, q, direction, spacing, lo, hi, False, tilt)
@@ -91,7 +95,7 @@ def test_a_thinned_step_dominates_the_step_on_every_point(step):
     assert math.isclose(thinned[1].sum(), full[1].sum(), rel_tol=1e-9)
     epsilons = np.concatenate([[-1.0, 0.0], (lo + (hi - lo) * np.linspace(0.0, 1.0, 25)) * spacing])
     slack = 2.0**-40 * np.exp(np.maximum(epsilons, 0.0)) * mass_above(*full[:2], spacing, epsilons)
-    assert np.all(profile(*thinned, spacing, epsilons) >= profile(*full, spacing, epsilons) * (1 - 1e-9) - slack - 1e-300)
+    assert np.all(profile(*thinned, spacing, epsilons) >= profile(*full, spacing, epsilons) * (1 - 1e-7) - slack - 1e-300)
 
 
 @settings(max_examples=25, deadline=None)

@@ -2207,36 +2207,44 @@ def _log_r(losses: np.ndarray, q: float, direction: str) -> np.ndarray:
     """log r(z) at which the loss equals each grid value (the loss is increasing in z)."""
     log_q = math.log(q)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        log_1mq = math.log1p(-q) if q < 1 else -math.inf
         if direction == _REMOVE:
-            # log(1 - q + q r) = l  <=>  r = (e^l - (1 - q)) / q; no z below log(1 - q).
-            positive = losses > 0
-            out = np.empty_like(losses)
-            lp = losses[positive]
-            out[positive] = lp + np.log1p(-(1.0 - q) * np.exp(-lp)) - log_q
-            out[~positive] = np.log(np.expm1(losses[~positive]) + q) - log_q
+            # log(1 - q + q r) = l  <=>  r = e^l (1 - (1 - q) e^{-l}) / q; no z below log(1 - q).
+            # (log1p keeps the loss of the edge within a few round-offs of l, even where
+            # 1 - (1 - q) e^{-l} is tiny: see :func:`_edge_errors`.)
+            out = losses + np.log1p(-np.exp(log_1mq - losses)) - log_q
             return np.where(np.isnan(out), -np.inf, out)
         # add, in the reflected coordinate z -> 1 - z, where P = N(1, s^2) and
         # Q = q N(0, s^2) + (1 - q) N(1, s^2): log(r / ((1 - q) r + q)) = l.
-        log_1mq = math.log1p(-q) if q < 1 else -math.inf
         out = log_q + losses - np.log(-np.expm1(losses + log_1mq))
         return np.where(np.isnan(out), np.inf, out)
 
 
-def _split_log_masses(sigma: float, q: float, direction: str, losses: np.ndarray) -> tuple:
-    """``(at_or_below, above)``: the log P-masses of one step's loss at or below, and above,
-    each of ``losses`` (any order), all at once: the edges ``-inf, z_k, +inf`` of every
-    loss side by side, so each pair of bins is computed as :func:`_bin_log_masses` would
-    for that loss alone (the bins from one loss's +inf to the next one's -inf are dropped)."""
-    z = sigma * sigma * _log_r(losses, q, direction) + 0.5
+def _split_log_masses(sigma: float, q: float, direction: str, losses: np.ndarray, bounded: bool = True) -> tuple:
+    """``(at_or_below, above)``: bounds above on the log P-masses of one step's loss at or
+    below, and above, each of ``losses`` (any order), all at once: the edges ``-inf, z_k,
+    +inf`` of every loss side by side, each side bounded as :func:`_bin_bounds` bounds a
+    bin, plus the mass between the cut and where the loss is exactly ``losses[k]`` (the
+    bins from one loss's +inf to the next one's -inf are dropped). ``bounded=False``:
+    the rounded masses as they come, a third of the work, to search with."""
+    log_r = _log_r(losses, q, direction)
+    z = sigma * sigma * log_r + 0.5
     ends = np.full(z.shape, np.inf)
     edges = np.stack([-ends, z, ends], axis=1).ravel()
-    log_p = _edge_log_masses(sigma, q, direction, edges)[2]
-    return log_p[0::3], log_p[1::3]
+    if not bounded:
+        log_p = _edge_log_masses(sigma, q, direction, edges)[2]
+        return log_p[0::3], log_p[1::3]
+    log_p, _, x0, x1, shift = _edge_bounds(sigma, q, direction, edges)
+    _, log_excess = _cut_errors(sigma, q, direction, losses, log_r, z, x0[1::3], x1[1::3], shift[1::3])
+    with np.errstate(invalid="ignore"):
+        return np.logaddexp(log_p[0::3], log_excess), np.logaddexp(log_p[1::3], log_excess)
 
 
-def _log_gauss_bins(x: np.ndarray) -> np.ndarray:
-    """log N(0,1)-mass of each bin (x[k], x[k+1]] for increasing edges x (may hold +-inf)."""
-    tail = log_ndtr(-np.abs(x))  # log of the smaller tail beyond each edge
+def _log_gauss_bins(x: np.ndarray, tail: np.ndarray | None = None) -> np.ndarray:
+    """log N(0,1)-mass of each bin (x[k], x[k+1]] for increasing edges x (may hold +-inf),
+    from ``tail``, the log of the smaller tail beyond each edge (computed if not given)."""
+    if tail is None:
+        tail = log_ndtr(-np.abs(x))
     ta, tb = tail[:-1], tail[1:]
     # A bin on the right of 0 is Phibar(a) - Phibar(b), on the left Phi(b) - Phi(a): in
     # both cases the larger tail minus the smaller, computed without cancellation. The
@@ -2290,15 +2298,14 @@ def _grid_distribution(sigma: float, q: float, direction: str, spacing: float, i
     lo, hi = _support(sigma, q, direction, spacing, i_low, i_high)
     points = np.arange(lo, hi + 1) if thin is None else _thinned_points(sigma, q, direction, spacing, lo, hi, thin)
     losses = points * spacing
-    edges, log_n0, log_n1, log_p, log_qq = _bin_log_masses(sigma, q, direction, losses)
-    p = np.exp(log_p)
     if optimistic:
+        edges, log_n0, log_n1, log_p, log_qq = _bin_log_masses(sigma, q, direction, losses)
         errors = _bin_errors(sigma, q, direction, edges, log_n0, log_n1, log_p, log_qq)
         offset = _dominated_offset(sigma, q, direction, spacing)
-        masses = _dominated_masses(p, log_qq, errors, lo, spacing, offset)
+        masses = _dominated_masses(np.exp(log_p), log_qq, errors, lo, spacing, offset)
         masses.setflags(write=False)
         return lo, masses, 0.0
-    kept, p_inf = _connect_the_dots(p, log_p, log_qq, losses)
+    kept, p_inf = _dots(sigma, q, direction, losses)
     masses = np.zeros(hi - lo + 1)
     masses[points - lo] = kept
     masses.setflags(write=False)
@@ -2371,33 +2378,68 @@ def _thinned_points(sigma: float, q: float, direction: str, spacing: float, lo: 
     return np.append(np.repeat(probes[:-1], counts) + offsets * np.repeat(strides, counts), hi)
 
 
-def _connect_the_dots(p: np.ndarray, log_p: np.ndarray, log_qq: np.ndarray, points: np.ndarray) -> tuple:
-    """``(masses, p_inf)``: the P-mass at each of the increasing grid ``points`` (any gaps)
-    and at +inf, from the P-masses ``p`` (and their logarithms) and the log Q-masses of
-    the bins the points cut, the first below the grid and the last above it. Each
-    interior bin keeps its P- and Q-mass, split between its two end points; the bin
-    below the grid is rounded up to its lowest point; the bin above keeps its Q-mass at
-    the top point and sends the rest to +inf."""
-    masses = np.zeros(points.size)
-    masses[0] += p[0]
-    # right share = (1 - e^{l_i} Q / P) / (1 - e^{-(l_{i+1} - l_i)}): both masses are kept
-    with np.errstate(invalid="ignore", over="ignore"):
-        share = -np.expm1(log_qq[1:-1] + points[:-1] - log_p[1:-1]) / -np.expm1(-np.diff(points))
+def _connect_the_dots(log_p_high: np.ndarray, log_q_low: np.ndarray, rho: np.ndarray, log_excess: np.ndarray,
+                      points: np.ndarray) -> tuple:
+    r"""``(masses, p_inf)``: the P-mass at each of the increasing grid ``points`` (any gaps)
+    and at +inf, from :func:`_bin_bounds` of the bins the points cut (the first below the
+    grid, the last above it): bounds on their log P-mass (above) and log Q-mass (below),
+    ``rho[j]`` on how far the loss at the cut for point ``j`` lies from it, and
+    ``log_excess[j]`` on the log of the P-mass next below that cut whose loss may pass it.
+
+    **The rule** (Doroshenko et al. 2022): each interior bin keeps its P- and Q-mass,
+    split between its two end points (a mean-preserving spread of :math:`e^{-L}`); the
+    bin below the grid is rounded up to its lowest point; the bin above keeps its Q-mass
+    at the top point and sends the rest to +inf.
+
+    **Sound whatever the rounding.** Take out of each bin the mass above its upper
+    point's loss (at most the excess at that cut, all at a loss below the next point):
+    what is left has its loss in :math:`[l_k - \rho_k, l_{k+1}]`, a post-processing of
+    its two-point split at those ends, whose lower end rounds up to :math:`l_k`. The
+    upper end's share falls as the Q-to-P ratio rises, and taking mass of the highest
+    loss out raises it; so the whole bin's ratio, bounded below, lowered by the
+    round-offs of the exponent (8u of its terms' sizes) and by :math:`\rho_k` for the
+    wider split, bounds that share above once raised by 8u. The excess then moves from
+    each point to the next (from the top point, or where the loss error is as wide as
+    the gap above, to +inf; the bin's upper share there holds at least it), and the
+    bottom bin's likewise. Masses are the P-bounds, raised
+    by 8u against the products and sums after. What results is reached from the exact
+    split by adding mass and moving mass to higher losses, and neither lowers a privacy
+    profile, composed or not. The top bin keeps at most its ratio's bound, lowered the
+    same way, and sends at least the rest to +inf. A bin whose P-bound is below
+    :math:`e^{-690}` (its mass may underflow to 0) counts that much at +inf."""
+    widths = np.diff(points)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        p = np.exp(log_p_high) * (1.0 + 8.0 * _U)
+        exponent = _rounded_up((log_q_low - log_p_high)[1:-1] + points[:-1], log_q_low[1:-1], log_p_high[1:-1],
+                               points[:-1], sign=-1.0) - rho[:-1]
+        share = -np.expm1(exponent) / -np.expm1(-widths) * (1.0 + 8.0 * _U)
+        top = _rounded_up(log_q_low[-1] - log_p_high[-1] + points[-1], log_q_low[-1], log_p_high[-1], points[-1],
+                          sign=-1.0) - rho[-1]
+        excess = np.exp(log_excess) * (1.0 + 8.0 * _U)
     share = np.clip(np.nan_to_num(share, nan=0.0), 0.0, 1.0)
     interior = p[1:-1]
+    masses = np.zeros(points.size)
     masses[:-1] += interior * (1.0 - share)
-    masses[1:] += interior * share
-    with np.errstate(over="ignore"):
-        kept = min(1.0, math.exp(min(log_qq[-1] + points[-1] - log_p[-1], 0.0))) if p[-1] > 0 else 0.0
+    arriving = np.zeros(points.size)  # at each point as a bin's upper end: the bottom bin, each bin's upper share
+    arriving[0] = p[0]
+    arriving[1:] += interior * share
+    moved = np.minimum(arriving, np.nan_to_num(excess, nan=np.inf))
+    masses += arriving - moved
+    farther = rho[:-1] >= widths  # (a loss error as wide as the gap above: to +inf instead)
+    masses[1:] += np.where(farther, 0.0, moved[:-1])
+    kept = min(1.0, math.exp(min(float(top), 0.0))) if p[-1] > 0 and not math.isnan(top) else 0.0
     masses[-1] += p[-1] * kept
-    return masses, float(p[-1] * (1.0 - kept))
+    lost = np.count_nonzero(log_p_high < -690.0) * math.exp(-690.0)  # bins whose mass may underflow
+    beyond = float(moved[-1]) + float(moved[:-1][farther].sum()) + float(p[-1] * (1.0 - kept)) + lost
+    p_inf = beyond * (1.0 + 4.0 * _U)
+    return np.maximum(masses, 0.0), min(p_inf, 1.0)
 
 
 def _dots(sigma: float, q: float, direction: str, points: np.ndarray) -> tuple[np.ndarray, float]:
     """One step's connect-the-dots on increasing grid ``points`` (any gaps): ``(masses,
-    p_inf)`` (:func:`_connect_the_dots`)."""
-    _, _, _, log_p, log_qq = _bin_log_masses(sigma, q, direction, points)
-    return _connect_the_dots(np.exp(log_p), log_p, log_qq, points)
+    p_inf)`` (:func:`_connect_the_dots`), from bounds that hold whatever the rounding
+    (:func:`_bin_bounds`)."""
+    return _connect_the_dots(*_bin_bounds(sigma, q, direction, points), points)
 
 
 def _bin_log_masses(sigma: float, q: float, direction: str, losses: np.ndarray) -> tuple:
@@ -2409,16 +2451,238 @@ def _bin_log_masses(sigma: float, q: float, direction: str, losses: np.ndarray) 
     return (edges, *_edge_log_masses(sigma, q, direction, edges))
 
 
-def _edge_log_masses(sigma: float, q: float, direction: str, edges: np.ndarray) -> tuple:
+def _edge_log_masses(sigma: float, q: float, direction: str, edges: np.ndarray, tails: tuple | None = None) -> tuple:
     """``(log_n0, log_n1, log_p, log_qq)`` of the bins ``(edges[k], edges[k+1]]`` in ``z``
-    (see :func:`_bin_log_masses`)."""
-    log_n0 = _log_gauss_bins(edges / sigma)  # N(0, s^2)
-    log_n1 = _log_gauss_bins((edges - 1.0) / sigma)  # N(1, s^2)
+    (see :func:`_bin_log_masses`); ``tails``: ``(x0, t0, x1, t1)``, each component's edges
+    in its standard deviations and the logs of their smaller tails, if already computed."""
+    x0, t0, x1, t1 = tails or _edge_tails(sigma, edges)
+    log_n0 = _log_gauss_bins(x0, t0)  # N(0, s^2)
+    log_n1 = _log_gauss_bins(x1, t1)  # N(1, s^2)
     with np.errstate(divide="ignore"):
         log_q, log_1mq = math.log(q), math.log1p(-q) if q < 1 else -math.inf
     if direction == _REMOVE:
         return log_n0, log_n1, np.logaddexp(log_1mq + log_n0, log_q + log_n1), log_n0
     return log_n0, log_n1, log_n1, np.logaddexp(log_q + log_n0, log_1mq + log_n1)
+
+
+def _edge_tails(sigma: float, edges: np.ndarray) -> tuple:
+    """``(x0, t0, x1, t1)``: edges in z in the standard deviations of N(0, s^2) and of
+    N(1, s^2), and the logs of the smaller Gaussian tail beyond each."""
+    x0, x1 = edges / sigma, (edges - 1.0) / sigma
+    return x0, log_ndtr(-np.abs(x0)), x1, log_ndtr(-np.abs(x1))
+
+
+def _bin_bounds(sigma: float, q: float, direction: str, losses: np.ndarray) -> tuple:
+    r"""``(log_p_high, log_q_low, rho, log_excess)`` of one step's bins cut where its loss crosses
+    ``losses`` (as :func:`_bin_log_masses`), whatever the rounding: a bound above on the
+    log P-mass and below on the log Q-mass of each bin of a *reference partition* of z,
+    and ``rho[j]``, one on how far that partition's loss at cut ``j`` lies from
+    ``losses[j]``.
+
+    **The reference partition.** A computed log-tail is not exact, but it is the exact
+    log-tail of an edge moved a little (:func:`_tail_shift`): the tail is monotone and
+    continuous. Each component's computed masses are therefore the masses of bins with
+    slightly moved edges, up to the arithmetic after the tails
+    (:func:`_gauss_bins_slack`), however narrow a bin (taken as errors of the masses
+    themselves they grow as 1/width, :func:`_gauss_bins_error`). The two components'
+    edges move differently. The reference partition has the edges of the component P
+    and Q share (N(0, s^2) for removal, N(1, s^2) for addition), and the other
+    component's mass between its edge and that one at each cut (a sliver: at most
+    their distance times the largest density there, weighted by q) counts against the
+    accountant: added to the P-bound, taken from the Q-bound. The loss at a reference
+    edge lies within ``rho`` of the grid's, and within ``width`` in z of where the
+    loss is exactly the grid's (:func:`_edge_errors`): ``log_excess`` bounds the log of
+    the P-mass between the two, the mass of a bin that may lie above its upper end
+    (P's largest density there times that width)."""
+    log_r = _log_r(losses, q, direction)
+    z = sigma * sigma * log_r + 0.5
+    log_p_high, log_q_low, x0, x1, shift = _edge_bounds(sigma, q, direction, np.concatenate([[-np.inf], z, [np.inf]]))
+    rho, log_excess = _cut_errors(sigma, q, direction, losses, log_r, z, x0[1:-1], x1[1:-1], shift[1:-1])
+    return log_p_high, log_q_low, rho, log_excess
+
+
+def _edge_bounds(sigma: float, q: float, direction: str, edges: np.ndarray) -> tuple:
+    """``(log_p_high, log_q_low, x0, x1, shift)``: the bounds of :func:`_bin_bounds` on the
+    bins between consecutive ``edges`` in z, the edges in each component's standard
+    deviations, and how far the shared component's edges move (:func:`_tail_shift`).
+
+    A mixture of components that each err by at most a relative ``s`` errs by at most
+    that too, and its logarithm adds round-offs of its terms' sizes; two slivers at a
+    bin's cuts hold at most twice the larger."""
+    tails = _edge_tails(sigma, edges)
+    x0, t0, x1, t1 = tails
+    log_n0, log_n1, log_p, log_qq = _edge_log_masses(sigma, q, direction, edges, tails)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
+        log_q, log_1mq = math.log(q), math.log1p(-q) if q < 1 else -math.inf
+        slack0, slack1 = _gauss_bins_slack(x0, t0, log_n0), _gauss_bins_slack(x1, t1, log_n1)
+        slack = np.maximum(slack0, slack1)
+        shift0, shift1 = _tail_shift(x0, t0), _tail_shift(x1, t1)
+        x_other, shift = (x1, shift0) if direction == _REMOVE else (x0, shift1)
+        gap = shift0 + shift1
+        log_sliver = log_q + np.log(gap) - 0.5 * x_other * x_other - _LOG_SQRT_2PI + np.abs(x_other) * gap
+        log_sliver[~np.isfinite(x_other)] = -np.inf
+        log_slivers = np.maximum(log_sliver[:-1], log_sliver[1:]) + _LOG_2  # at each bin's two cuts
+        mixture, single = (log_p, log_qq) if direction == _REMOVE else (log_qq, log_p)
+        mixed = slack + 4.0 * _U * (2.0 + _finite_abs(mixture) + abs(log_q) + _finite_abs(log_1mq)
+                                    + _finite_abs(log_n0) + _finite_abs(log_n1))
+        if direction == _REMOVE:  # P = (1 - q) N0 + q N1, Q = N0
+            log_p_high = _rounded_up(np.logaddexp(mixture + mixed, log_slivers), mixture)
+            log_q_low = _rounded_up(single - slack, single, sign=-1.0)
+        else:  # P = N1, Q = q N0 + (1 - q) N1
+            log_p_high = _rounded_up(single + slack, single)
+            low = mixture - mixed
+            log_q_low = _rounded_up(low + np.log1p(-np.exp(log_slivers - low)), mixture, sign=-1.0)
+        _across_bounds(log_p_high, log_q_low, direction, log_q, log_1mq, ((x0, log_n0, slack0), (x1, log_n1, slack1)),
+                       log_slivers)
+    log_q_low[np.isnan(log_q_low)] = -np.inf
+    return log_p_high, log_q_low, x0, x1, shift
+
+
+_LOG_2 = math.log(2.0)
+
+
+def _finite_abs(a):
+    """``|a|``, with infinities counting 0 (a scalar or an array)."""
+    if np.ndim(a) == 0:
+        return abs(float(a)) if math.isfinite(a) else 0.0
+    out = np.abs(a)
+    out[np.isinf(out)] = 0.0
+    return out
+
+
+def _across_bounds(log_p_high, log_q_low, direction, log_q, log_1mq, parts, log_slivers) -> None:
+    """Redo :func:`_edge_bounds` in place for the bin holding 0 of either component, if
+    any (``parts``: each component's edges, log-masses and slacks): there a component's
+    mass errs by 3.1u absolutely (:func:`_gauss_bins_slack`), which a relative slack
+    only covers while the mass is well above that."""
+    bins = set()
+    for x, _, _ in parts:
+        bins.update(np.flatnonzero((x[:-1] < 0) & (x[1:] > 0)).tolist())
+    for k in bins:
+        highs, lows = [], []
+        for x, log_n, slack in parts:
+            centre = float(log_n[k])
+            if x[k] < 0 < x[k + 1]:
+                own = 2.1 * _U * _finite_abs(centre)
+                highs.append(float(np.logaddexp(centre + own, math.log(3.1 * _U))))
+                gone = 3.1 * _U * math.exp(min(-centre, 700.0))
+                lows.append(centre - own + math.log1p(-gone) if gone < 1.0 else -math.inf)
+            else:
+                highs.append(centre + float(slack[k]))
+                lows.append(centre - float(slack[k]))
+        sliver, scale = float(np.exp(log_slivers[k])), 1.0 + 8.0 * _U
+        if direction == _REMOVE:  # P = (1 - q) N0 + q N1, Q = N0
+            p_high = (math.exp(log_1mq + highs[0]) + math.exp(log_q + highs[1]) + sliver) * scale
+            log_p_high[k] = _rounded_up(math.log(p_high)) if p_high > 0 else -math.inf
+            log_q_low[k] = lows[0] - 4.0 * _U * (1.0 + _finite_abs(lows[0]))
+        else:  # P = N1, Q = q N0 + (1 - q) N1
+            log_p_high[k] = highs[1] + 4.0 * _U * (1.0 + _finite_abs(highs[1]))
+            q_low = (math.exp(log_q + lows[0]) + math.exp(log_1mq + lows[1]) - sliver) / scale
+            log_q_low[k] = _rounded_up(math.log(q_low), sign=-1.0) if q_low > 0 else -math.inf
+
+
+def _cut_errors(sigma, q, direction, losses, log_r, z, x0, x1, shift) -> tuple[np.ndarray, np.ndarray]:
+    """``(rho, log_excess)`` of :func:`_bin_bounds` at cuts ``z`` for ``losses`` (``x0``,
+    ``x1``: the cuts in each component's standard deviations; ``shift``: the shared
+    component's move there)."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
+        log_q, log_1mq = math.log(q), math.log1p(-q) if q < 1 else -math.inf
+        rho, width = _edge_errors(sigma, q, direction, losses, log_r, z, shift)
+        reach = width / sigma  # P's largest density (per unit z) within ``width`` of each cut, times the width
+        log_d0 = log_1mq - 0.5 * x0 * x0 + np.abs(x0) * reach
+        log_d1 = -0.5 * x1 * x1 + np.abs(x1) * reach + (log_q if direction == _REMOVE else 0.0)
+        log_density = (np.maximum(log_d0, log_d1) + _LOG_2 if direction == _REMOVE else log_d1) - _LOG_SQRT_2PI \
+            - math.log(sigma)
+        log_excess = np.log(width) + log_density + 8.0 * _U * (2.0 + np.abs(log_density) + np.abs(reach))
+        log_excess = np.where(np.isnan(log_excess), np.inf, log_excess)
+    return rho, np.where(width == 0.0, -np.inf, log_excess)
+
+
+_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+def _rounded_up(value: np.ndarray, *terms, sign: float = 1.0) -> np.ndarray:
+    """``value`` moved by 8u(2 + the sizes of ``value`` and ``terms``) up (``sign`` 1) or
+    down (-1): more than the round-offs of a few sums, logarithms and exponentials of
+    such terms (infinite ones count as 0; an infinite value stays)."""
+    slack = 2.0 + _finite_abs(value)
+    for term in terms:
+        slack = slack + _finite_abs(term)
+    return value + sign * 8.0 * _U * slack
+
+
+def _gauss_bins_slack(x: np.ndarray, tail: np.ndarray, log_n: np.ndarray) -> np.ndarray:
+    r"""Bound on how far each ``log_n = _log_gauss_bins(x, tail)`` lies from the log of
+    the exact N(0,1)-mass between the edges whose exact log-tails are ``tail`` (see
+    :func:`_bin_bounds`).
+
+    Away from 0 a bin is :math:`\log(1 - e^{-d}) + t` with ``d`` the tails' difference
+    and ``t`` the larger: ``d``'s rounding and ``expm1`` err by 3.1u relative (the
+    function's relative slope in ``d`` is at most 1), the logarithm and the sum by a
+    round-off of their sizes: within :math:`4u(1 + |\log n| + |t|)`. The bin holding 0 is
+    ``log1p(-(e^{ta} + e^{tb}))``: the exponentials and their sum err by 3u of the sum, at
+    most 1, so its mass errs by 3.1u absolutely, and ``log1p`` by a round-off of its size
+    (:func:`_across_bounds` uses that; here it counts as infinite)."""
+    size = _finite_abs(tail)
+    out = 4.0 * _U * (1.0 + _finite_abs(log_n) + np.maximum(size[:-1], size[1:]))
+    out[(x[:-1] < 0) & (x[1:] > 0)] = np.inf
+    return out
+
+
+def _tail_shift(x: np.ndarray, tail: np.ndarray) -> np.ndarray:
+    r"""Bound, in standard deviations, on how far from the exact edge lies the edge whose
+    exact log-tail is ``tail``, the computed ``log_ndtr(-|x|)``: ``x`` itself errs by
+    2u|x| (two round-offs from z); ``log_ndtr`` is within :math:`8u(1 + |t|)` (measured
+    within half of that from -60 to 60 against 40-digit arithmetic, and checked by the
+    tests), and the bin holding 0 exponentiates and sums the tails (3u more of the tail,
+    :func:`_gauss_bins_slack`), over the slope of the log-tail, the hazard rate, at least
+    :math:`\max(|x|, \sqrt{2/\pi})` (Mills' ratio; it rises from :math:`\sqrt{2/\pi}` at
+    0). Infinite edges are exact."""
+    size = np.where(np.isfinite(tail), np.abs(tail), 0.0)
+    with np.errstate(invalid="ignore"):
+        out = (8.0 * (1.0 + size) + 3.0) * _U / np.maximum(np.abs(x), math.sqrt(2.0 / math.pi)) + 2.0 * _U * np.abs(x)
+    return np.where(np.isfinite(x), out, 0.0)
+
+
+def _edge_errors(sigma: float, q: float, direction: str, losses: np.ndarray, log_r: np.ndarray, z: np.ndarray,
+                 shift: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    r"""``(rho, width)`` at each cut: a bound on how far the loss at the reference edge
+    (the computed ``z`` moved by ``shift`` standard deviations, :func:`_bin_bounds`) lies
+    from the grid loss it was cut for, and one on how far that edge lies from the exact
+    one (in z; infinite where the loss is too flat to bound it).
+
+    The loss rises in z with slope :math:`g/\sigma^2`, :math:`g = 1 - (1 - q)e^{-l}`
+    for removal and :math:`1 - (1 - q)e^{l}` for addition, in [0, 1] (:func:`_log_r`).
+    There, the exponential of :math:`\log(1-q) \mp l` errs relatively by
+    :math:`u(2 + |l| + 2|\log(1-q)|)`, so :math:`g` by that times :math:`1 - g`
+    absolutely, its logarithm by that over ``g``, and the loss, ``g`` times log r's
+    error, by at most that however small ``g``; the other sums and logarithms err by
+    round-offs of their sizes, times ``g``. ``z`` errs by :math:`3u\sigma^2|\log r| +
+    u|z|`, the loss by :math:`g/\sigma^2` times that, and the shift adds
+    :math:`g/\sigma` times itself. Over such tiny moves ``g`` grows by at most
+    :math:`e^{\text{move}/\sigma^2}`, which is applied. The computed edge lies within
+    :math:`1.2\rho\sigma^2/g` of the exact one where the loss error is at most a tenth
+    of ``g`` (the slope then stays above 0.88 of its value there), and the reference
+    edge ``shift`` further. Where no z has the loss (an infinite edge) the loss next to
+    it stops at its limit, :math:`\log(1-q)` below for removal and :math:`-\log(1-q)`
+    above for addition: it passes the grid loss only by as much as that loss lies inside
+    the limit (rounding put the edge at infinity), and the edge is exact otherwise."""
+    log_q, log_1mq = math.log(q), math.log1p(-q) if q < 1 else -math.inf
+    size = lambda a: np.where(np.isfinite(a), np.abs(a), 0.0)  # noqa: E731
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        slope = -np.expm1(log_1mq - losses) if direction == _REMOVE else -np.expm1(log_1mq + losses)
+        inside = 8.0 * _U * (2.0 + 2.0 * size(losses) + abs(log_q) + 3.0 * size(log_r) + size(z) / (sigma * sigma))
+        grow = np.exp(np.minimum(shift / sigma + inside, 700.0)) * (1.0 + 1e-12)
+        g = np.clip(slope, 0.0, 1.0)
+        outside = 8.0 * _U * (2.0 + size(losses) + 2.0 * size(log_1mq))
+        edge = outside + np.minimum(1.0, g * grow) * inside
+        rho = edge + np.minimum(1.0, g * grow) * shift / sigma
+        width = np.where(edge <= 0.1 * g, 1.2 * edge * sigma * sigma / g, np.inf) + sigma * shift
+        limit = log_1mq if direction == _REMOVE else -log_1mq
+        slack = 4.0 * _U * abs(limit)  # the limit's own round-off (the grid losses are exact)
+        past = np.maximum(losses - limit + slack if direction == _REMOVE else limit + slack - losses, 0.0)
+    finite = np.isfinite(z)
+    return np.where(finite, rho, past), np.where(finite, width, np.where(past > 0.0, np.inf, 0.0))
 
 
 def _dominated_masses(p: np.ndarray, log_q: np.ndarray, errors: np.ndarray, first: int, spacing: float,

@@ -286,14 +286,15 @@ def _bulk_spacing(steps: tuple, direction: str, spacing: float, scale: float, fl
 @functools.lru_cache(maxsize=16)
 def _cuts(steps: tuple, direction: str, delta: float) -> tuple[float, float]:
     """``(floor, cut)``: the largest loss ``f`` and the smallest ``a`` (each to a part in
-    2^32 of the range) whose exact tails below ``f`` and above ``a``,
+    2^32 of the range, searched on the rounded tails and checked on their bounds,
+    :func:`~dpoptim.accounting.pld._split_log_masses`) whose exact tails below ``f`` and above ``a``,
     :math:`\\sum_r c_r \\Pr_P[L_r \\le f]` and :math:`\\sum_r c_r \\Pr_P[L_r > a]`, are each at
     most half of ``w`` with :math:`w^2 / 2` = ``delta / 1024``: the terms with two tail
     steps or more hold at most that."""
     allowed = math.sqrt(2.0 * _BEYOND_SHARE * delta) / 2.0
 
-    def weights(xs: np.ndarray, side: int) -> np.ndarray:
-        rows = [(count, _pld._split_log_masses(sigma, q, direction, xs)[side]) for sigma, q, count in steps]
+    def weights(xs: np.ndarray, side: int, bounded: bool = True) -> np.ndarray:
+        rows = [(count, _pld._split_log_masses(sigma, q, direction, xs, bounded)[side]) for sigma, q, count in steps]
         return np.array([math.fsum(count * math.exp(float(row[k])) for count, row in rows) for k in range(xs.size)])
 
     low = min(float(_pld._loss_of_z(-_pld._GAUSS_TAIL * sigma, sigma, q, direction)) for sigma, q, _ in steps)
@@ -304,7 +305,12 @@ def _cuts(steps: tuple, direction: str, delta: float) -> tuple[float, float]:
         if weights(np.array([outside]), side)[0] <= allowed:
             ends.append(outside)
             continue
-        ends.append(_pld._bisected_many(lambda xs, side=side: weights(xs, side) <= allowed, inside, outside, 32))
+        # searched on the rounded masses, a little inside the allowance, then checked on their bounds
+        end = _pld._bisected_many(lambda xs, side=side: weights(xs, side, False) <= allowed * (1.0 - 2.0**-20),
+                                  inside, outside, 32)
+        if not weights(np.array([end]), side)[0] <= allowed:
+            end = _pld._bisected_many(lambda xs, side=side: weights(xs, side) <= allowed, inside, outside, 32)
+        ends.append(end)
     return ends[0], ends[1]
 
 
