@@ -9,6 +9,7 @@ bins: its mass at or above every grid point (and at +inf) must be at least the e
 rule's, first-order stochastic dominance, which never lowers a privacy profile.
 """
 
+import dataclasses
 import math
 
 import numpy as np
@@ -208,3 +209,29 @@ def test_log_ndtr_is_within_the_bound_the_grid_assumes():
         for x in xs:
             exact = mp.log(mp.ncdf(float(x)))
             assert abs(mp.mpf(float(log_ndtr(float(x)))) - exact) <= 8 * unit * (1 + abs(exact))
+
+
+def test_a_window_top_from_the_rdp_curves_is_checked_on_the_grid_distributions():
+    """The RDP curves bound the exact connect-the-dots distributions' tails; the profile
+    adds ``_grid_tail``, a bound from the grid distributions themselves, at least the
+    composed mass at or above the window's top (composed here by direct convolution),
+    and raised above a budget too small for it."""
+    steps, delta = ((1.0, 0.05, 3), (0.8, 0.02, 2)), 1e-6
+    grid = pld._rdp_grid(steps, delta / 65536, delta, 2**12)
+    top, _ = grid.window_top
+    aboves = {}
+    for direction in (pld._REMOVE, pld._ADD):
+        items = [(sigma, q, direction, grid.spacing, bottom, high, None, count)
+                 for (sigma, q, count), bottom, high in zip(steps, grid.bottoms[direction], grid.tops[direction])]
+        parts = pld._product(items, grid, np.float64, False)
+        composed, first = np.array([1.0]), 0
+        for sigma, q, _, spacing, bottom, high, _, count in items:
+            start, masses, _ = pld._step_distribution(sigma, q, direction, spacing, bottom, high)
+            for _ in range(count):
+                composed, first = np.convolve(composed, masses), first + start
+        above = float(composed[(first + np.arange(composed.size)) * grid.spacing >= top].sum())
+        assert pld._grid_tail(items, grid, parts) >= max(above, grid.tail)
+        starved = dataclasses.replace(grid, tail=1e-300)
+        assert pld._grid_tail(items, starved, parts) >= above
+        aboves[direction] = above
+    assert aboves[pld._REMOVE] > 0  # (removal's tail is not empty: the check has something to bound)

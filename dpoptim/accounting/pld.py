@@ -755,6 +755,9 @@ class _Grid:
     ``thin[direction]`` (``None``: every point) is the tilt the steps' thinned
     distributions serve (:func:`_thinned_points`), on grids whose certificates are
     computed from the distributions themselves (:func:`_certified_grid`).
+    ``window_top``: where ``tail`` comes from the RDP curves, the loss it bounds the mass
+    beyond and the order that bound is taken at (:func:`_grid_tail` checks it against
+    the grid distributions, which the rounding bounds move a little).
     """
 
     spacing: float
@@ -765,6 +768,7 @@ class _Grid:
     tilt: float
     bottoms: dict | None = None
     thin: dict | None = None
+    window_top: tuple | None = None  # (loss, order) where ``tail`` comes from the RDP curves
 
 
 def _thin_of(grid: _Grid, direction: str) -> float | None:
@@ -1670,7 +1674,9 @@ def _rdp_grid(steps: tuple, tail: float, delta: float, n: int, window: tuple | N
     lam = _WINDOW_ORDERS - 1.0
     spread = _log_spread(-lam, spacing)
     cgf = sum(count * (lam * r + spread) for r, (_, _, count) in zip(rdps, steps))
-    return _Grid(spacing, i_low, n, tops, tail, _choose_tilt(lam, cgf, n * spacing, delta), bottoms)
+    order = float(lam[np.argmin(_window_high_exponents(rdps, [c for _, _, c in steps], tail, spacing, low))])
+    return _Grid(spacing, i_low, n, tops, tail, _choose_tilt(lam, cgf, n * spacing, delta), bottoms,
+                 window_top=(high, order))
 
 
 def _tail_ends(steps: tuple, spacing: float, i_low: int, i_top: int, tail: float) -> tuple[dict, dict]:
@@ -1746,6 +1752,11 @@ def _window_high(rdps, counts, tail, spacing, low) -> float:
     # (Markov on e^{-L}); below a step's bottom (_tail_ends, or the cut-off of the
     # Gaussian components), at most max(tail / (2 R c), 1e-37) per step, and that mass
     # lands on a loss <= 0.
+    return float(max(_window_high_exponents(rdps, counts, tail, spacing, low).min(), low + 1.0))
+
+
+def _window_high_exponents(rdps, counts, tail, spacing, low) -> np.ndarray:
+    """The loss above which :func:`_window_high`'s bound at each order leaves ``tail``."""
     lam = _WINDOW_ORDERS - 1.0
     per_run = tail / (2.0 * len(counts))  # at most what _tail_ends rounds up below a step's bottom
     spread = _log_spread(-lam, spacing)
@@ -1753,8 +1764,7 @@ def _window_high(rdps, counts, tail, spacing, low) -> float:
     for r, c in zip(rdps, counts):
         pushed = np.logaddexp((1.0 + lam) * low, math.log(max(1e-37, per_run / c)))
         log_mgf = log_mgf + c * (lam * r + np.logaddexp(spread, pushed - lam * r))
-    candidates = (log_mgf - math.log(tail)) / lam
-    return float(max(candidates.min(), low + 1.0))
+    return (log_mgf - math.log(tail)) / lam
 
 
 def _log_spread(gamma: np.ndarray, spacing: float) -> np.ndarray:
@@ -3111,10 +3121,39 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
         offset = _total_offset(steps, direction, spacing)
         labels = losses + offset - 4.0 * _U * (np.abs(losses) + offset)
         return _invert_profile(tilted, log_untilt, labels, -below, noise, delta, lower=True)
+    if mixture is None:
+        tail = _grid_tail(items, grid, parts)
     constant = -math.expm1(parts.log_finite) + tail
     if constant > delta * (1.0 + 2.0**-20):
         return math.inf, _UNTILTABLE  # what lies at +inf or beyond the window: no precision certifies a point
     return _invert_profile(tilted, log_untilt, losses, constant, noise, delta)
+
+
+def _grid_tail(items, grid: _Grid, parts) -> float:
+    """The bound on the composed grid distributions' mass at or above the window's top
+    that the profile adds (:func:`_compose_direction`).
+
+    Where it comes from the RDP curves (``grid.window_top``), ``grid.tail`` bounds that
+    mass for the exact connect-the-dots distributions. The grid's own differ from those
+    by a little mass added and some moved up a point (:func:`_connect_the_dots`), so a
+    Chernoff bound from their own moment generating functions checks it: at the
+    transform's tilt, free (``parts.cgf``, raised by 2u per point and step for its sums),
+    and where that is above ``grid.tail`` (mostly: the tilt is set for delta, the order
+    for the window), at the window's order. Both hold; the larger of ``grid.tail`` and
+    the smaller check is used, which keeps every value where a check passes (over 60
+    random ledgers the second always did)."""
+    if grid.window_top is None:
+        return grid.tail
+    top, order = grid.window_top
+    steps = sum(item[-1] for item in items)
+    slack = 2.0 * _U * grid.n * steps + 1e-12 * (1.0 + abs(parts.cgf))
+    log_check = parts.cgf + slack - grid.tilt * top if grid.tilt > 0 else math.inf
+    if log_check <= math.log(grid.tail):
+        return grid.tail
+    at = np.array([order])
+    log_order = slack + sum(count * float(_step_log_mgf((sigma, q), direction, spacing, (bottom, high), thin, at)[0])
+                            for sigma, q, direction, spacing, bottom, high, thin, count in items)
+    return max(grid.tail, math.exp(min(log_check, log_order - order * top, 0.0)))
 
 
 class _Product(NamedTuple):
