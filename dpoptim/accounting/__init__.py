@@ -7,8 +7,8 @@ count)`` runs, and an accountant turns the ledger into ``(epsilon, delta)``:
 
 * :class:`PLDAccountant` (default, ``'pld'``): privacy loss distributions composed by
   FFT, and the minimum with the other sound bounds (RDP, and a Gaussian mixture that is
-  tight for tiny sigma). Never below the exact epsilon (up to the rounding of the grid
-  masses, about ``T * 1e-14`` of delta: see ``docs/accounting.md``), and within 1% of it except where
+  tight for tiny sigma). Never below the exact epsilon, the rounding of its grid masses
+  and transforms included (see ``docs/accounting.md``), and within 1% of it except where
   ``docs/accounting.md`` says otherwise, with the measured bracket.
 * :class:`RDPAccountant` (``'rdp'``): Rényi DP with the improved conversion. Looser
   (typically 5-15% more epsilon), always sound, very fast.

@@ -84,10 +84,10 @@ on what it stands for:
    part of :math:`\delta` (tiny ``q`` with tiny :math:`\delta`, whose heavy loss tail
    forbids a strong tilt), the composition is redone in extended precision.
 
-The allowance takes each step's grid masses as the exact connect-the-dots ones; their
-own rounding (the Gaussian tails' logarithms, each bin's split and its edge in z) is
-not yet bounded. It moves the composed delta by about ``T * 1e-14`` of itself, far
-below the margins kept; docs/accounting.md gives the planned fix.
+The grid masses themselves are bounded before they are composed: each step's
+connect-the-dots distribution is built from bounds on its bins' masses and cuts that
+hold whatever the rounding of the Gaussian tails (:func:`_bin_bounds`), and biased by
+them in the accountant's favour (:func:`_connect_the_dots`).
 
 How far above the exact epsilon the answer lies is set by the grid spacing ``h``.
 Connect-the-dots keeps each bin's :math:`P`- and :math:`Q`-mass, so composing spreads
