@@ -2665,12 +2665,14 @@ def _edge_errors(sigma: float, q: float, direction: str, losses: np.ndarray, log
     for removal and :math:`1 - (1 - q)e^{l}` for addition, in [0, 1] (:func:`_log_r`).
     There, the exponential of :math:`\log(1-q) \mp l` errs relatively by
     :math:`u(2 + |l| + 2|\log(1-q)|)`, so :math:`g` by that times :math:`1 - g`
-    absolutely, its logarithm by that over ``g``, and the loss, ``g`` times log r's
-    error, by at most that however small ``g``; the other sums and logarithms err by
-    round-offs of their sizes, times ``g``. ``z`` errs by :math:`3u\sigma^2|\log r| +
+    absolutely, its logarithm by that over ``g``, and the loss by at most that however
+    small ``g`` (exactly: :math:`\log(1 - x\theta)` for :math:`x = (1-q)e^{\mp l}` and
+    a relative error :math:`\theta`, which leaves ``g`` below :math:`g + |\theta|`); the
+    other sums and logarithms err by round-offs of their sizes, times that slope. ``z`` errs by :math:`3u\sigma^2|\log r| +
     u|z|`, the loss by :math:`g/\sigma^2` times that, and the shift adds
     :math:`g/\sigma` times itself. Over such tiny moves ``g`` grows by at most
-    :math:`e^{\text{move}/\sigma^2}`, which is applied. The computed edge lies within
+    :math:`e^{\text{move}/\sigma^2} \le 1 + 2\,\text{move}/\sigma^2` (where that is at
+    most 1; beyond, ``g`` is taken as 1), which is applied. The computed edge lies within
     :math:`1.2\rho\sigma^2/g` of the exact one where the loss error is at most a tenth
     of ``g`` (the slope then stays above 0.88 of its value there), and the reference
     edge ``shift`` further. Where no z has the loss (an infinite edge) the loss next to
@@ -2678,15 +2680,18 @@ def _edge_errors(sigma: float, q: float, direction: str, losses: np.ndarray, log
     above for addition: it passes the grid loss only by as much as that loss lies inside
     the limit (rounding put the edge at infinity), and the edge is exact otherwise."""
     log_q, log_1mq = math.log(q), math.log1p(-q) if q < 1 else -math.inf
-    size = lambda a: np.where(np.isfinite(a), np.abs(a), 0.0)  # noqa: E731
+    size = _finite_abs
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         slope = -np.expm1(log_1mq - losses) if direction == _REMOVE else -np.expm1(log_1mq + losses)
         inside = 8.0 * _U * (2.0 + 2.0 * size(losses) + abs(log_q) + 3.0 * size(log_r) + size(z) / (sigma * sigma))
-        grow = np.exp(np.minimum(shift / sigma + inside, 700.0)) * (1.0 + 1e-12)
+        move = shift / sigma + inside
+        grow = 1.0 + 2.0 * move  # at least e^move where move <= 1 (and moves are about 1e-13)
+        grow[move > 1.0] = np.inf
         g = np.clip(slope, 0.0, 1.0)
         outside = 8.0 * _U * (2.0 + size(losses) + 2.0 * size(log_1mq))
-        edge = outside + np.minimum(1.0, g * grow) * inside
-        rho = edge + np.minimum(1.0, g * grow) * shift / sigma
+        steep = np.minimum(1.0, (g + outside) * grow)  # the slope's bound over the moves
+        edge = outside + steep * inside
+        rho = edge + steep * shift / sigma
         width = np.where(edge <= 0.1 * g, 1.2 * edge * sigma * sigma / g, np.inf) + sigma * shift
         limit = log_1mq if direction == _REMOVE else -log_1mq
         slack = 4.0 * _U * abs(limit)  # the limit's own round-off (the grid losses are exact)
