@@ -2553,7 +2553,7 @@ _LOG_2 = math.log(2.0)
 
 def _finite_abs(a):
     """``|a|``, with infinities counting 0 (a scalar or an array)."""
-    if np.ndim(a) == 0:
+    if not isinstance(a, np.ndarray) or a.ndim == 0:
         return abs(float(a)) if math.isfinite(a) else 0.0
     out = np.abs(a)
     out[np.isinf(out)] = 0.0
@@ -2561,34 +2561,30 @@ def _finite_abs(a):
 
 
 def _across_bounds(log_p_high, log_q_low, direction, log_q, log_1mq, parts, log_slivers) -> None:
-    """Redo :func:`_edge_bounds` in place for the bin holding 0 of either component, if
-    any (``parts``: each component's edges, log-masses and slacks): there a component's
-    mass errs by 3.1u absolutely (:func:`_gauss_bins_slack`), which a relative slack
-    only covers while the mass is well above that."""
-    bins = set()
-    for x, _, _ in parts:
-        bins.update(np.flatnonzero((x[:-1] < 0) & (x[1:] > 0)).tolist())
-    for k in bins:
-        highs, lows = [], []
-        for x, log_n, slack in parts:
-            centre = float(log_n[k])
-            if x[k] < 0 < x[k + 1]:
-                own = 2.1 * _U * _finite_abs(centre)
-                highs.append(float(np.logaddexp(centre + own, math.log(3.1 * _U))))
-                gone = 3.1 * _U * math.exp(min(-centre, 700.0))
-                lows.append(centre - own + math.log1p(-gone) if gone < 1.0 else -math.inf)
-            else:
-                highs.append(centre + float(slack[k]))
-                lows.append(centre - float(slack[k]))
-        sliver, scale = float(np.exp(log_slivers[k])), 1.0 + 8.0 * _U
-        if direction == _REMOVE:  # P = (1 - q) N0 + q N1, Q = N0
-            p_high = (math.exp(log_1mq + highs[0]) + math.exp(log_q + highs[1]) + sliver) * scale
-            log_p_high[k] = _rounded_up(math.log(p_high)) if p_high > 0 else -math.inf
-            log_q_low[k] = lows[0] - 4.0 * _U * (1.0 + _finite_abs(lows[0]))
-        else:  # P = N1, Q = q N0 + (1 - q) N1
-            log_p_high[k] = highs[1] + 4.0 * _U * (1.0 + _finite_abs(highs[1]))
-            q_low = (math.exp(log_q + lows[0]) + math.exp(log_1mq + lows[1]) - sliver) / scale
-            log_q_low[k] = _rounded_up(math.log(q_low), sign=-1.0) if q_low > 0 else -math.inf
+    """Redo :func:`_edge_bounds` in place for the bins holding 0 of either component
+    (``parts``: each component's edges, log-masses and slacks): there a component's mass
+    errs by 3.1u absolutely (:func:`_gauss_bins_slack`), which a relative slack only
+    covers while the mass is well above that."""
+    masks = [(x[:-1] < 0) & (x[1:] > 0) for x, _, _ in parts]
+    k = np.flatnonzero(masks[0] | masks[1])
+    if k.size == 0:
+        return
+    highs, lows = [], []
+    for (_, log_n, slack), mask in zip(parts, masks):
+        centre, across = log_n[k], mask[k]
+        own = 2.1 * _U * _finite_abs(centre)
+        gone = 3.1 * _U * np.exp(np.minimum(-centre, 700.0))
+        low = np.where(gone < 1.0, centre - own + np.log1p(-np.minimum(gone, 1.0)), -np.inf)
+        highs.append(np.where(across, np.logaddexp(centre + own, math.log(3.1 * _U)), centre + slack[k]))
+        lows.append(np.where(across, low, centre - slack[k]))
+    sliver, scale = np.exp(log_slivers[k]), 1.0 + 8.0 * _U
+    if direction == _REMOVE:  # P = (1 - q) N0 + q N1, Q = N0
+        log_p_high[k] = _rounded_up(np.log((np.exp(log_1mq + highs[0]) + np.exp(log_q + highs[1]) + sliver) * scale))
+        log_q_low[k] = lows[0] - 4.0 * _U * (1.0 + _finite_abs(lows[0]))
+    else:  # P = N1, Q = q N0 + (1 - q) N1
+        log_p_high[k] = highs[1] + 4.0 * _U * (1.0 + _finite_abs(highs[1]))
+        q_low = (np.exp(log_q + lows[0]) + np.exp(log_1mq + lows[1]) - sliver) / scale
+        log_q_low[k] = np.where(q_low > 0.0, _rounded_up(np.log(np.maximum(q_low, 1e-320)), sign=-1.0), -np.inf)
 
 
 def _cut_errors(sigma, q, direction, losses, log_r, z, x0, x1, shift) -> tuple[np.ndarray, np.ndarray]:

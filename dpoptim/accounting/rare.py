@@ -302,12 +302,12 @@ def _cuts(steps: tuple, direction: str, delta: float) -> tuple[float, float]:
     ends = []
     for side in (0, 1):  # 0: the mass at or below x, to stay within; 1: the mass above x
         inside, outside = (low, high) if side == 0 else (high, low)
-        if weights(np.array([outside]), side)[0] <= allowed:
+        # searched on the rounded masses, a little inside the allowance, then checked on their bounds
+        within = allowed * (1.0 - 2.0**-20)
+        if weights(np.array([outside]), side, False)[0] <= within and weights(np.array([outside]), side)[0] <= allowed:
             ends.append(outside)
             continue
-        # searched on the rounded masses, a little inside the allowance, then checked on their bounds
-        end = _pld._bisected_many(lambda xs, side=side: weights(xs, side, False) <= allowed * (1.0 - 2.0**-20),
-                                  inside, outside, 32)
+        end = _pld._bisected_many(lambda xs, side=side: weights(xs, side, False) <= within, inside, outside, 32)
         if not weights(np.array([end]), side)[0] <= allowed:
             end = _pld._bisected_many(lambda xs, side=side: weights(xs, side) <= allowed, inside, outside, 32)
         ends.append(end)
