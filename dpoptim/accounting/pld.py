@@ -2442,7 +2442,7 @@ def _connect_the_dots(log_p_high: np.ndarray, log_q_low: np.ndarray, rho: np.nda
     lost = np.count_nonzero(log_p_high < -690.0) * math.exp(-690.0)  # bins whose mass may underflow
     beyond = float(moved[-1]) + float(moved[:-1][farther].sum()) + float(p[-1] * (1.0 - kept)) + lost
     p_inf = beyond * (1.0 + 4.0 * _U)
-    return np.maximum(masses, 0.0), min(p_inf, 1.0)
+    return masses, min(p_inf, 1.0)
 
 
 def _dots(sigma: float, q: float, direction: str, points: np.ndarray) -> tuple[np.ndarray, float]:
