@@ -2426,14 +2426,14 @@ def _connect_the_dots(log_p_high: np.ndarray, log_q_low: np.ndarray, rho: np.nda
         top = _rounded_up(log_q_low[-1] - log_p_high[-1] + points[-1], log_q_low[-1], log_p_high[-1], points[-1],
                           sign=-1.0) - rho[-1]
         excess = np.exp(log_excess) * (1.0 + 8.0 * _U)
-    share = np.clip(np.nan_to_num(share, nan=0.0), 0.0, 1.0)
+    share = np.fmin(np.fmax(share, 0.0), 1.0)  # (fmax drops a nan: an empty bin's share, 0)
     interior = p[1:-1]
     masses = np.zeros(points.size)
     masses[:-1] += interior * (1.0 - share)
     arriving = np.zeros(points.size)  # at each point as a bin's upper end: the bottom bin, each bin's upper share
     arriving[0] = p[0]
     arriving[1:] += interior * share
-    moved = np.minimum(arriving, np.nan_to_num(excess, nan=np.inf))
+    moved = np.fmin(arriving, excess)  # (fmin drops a nan excess: all of it moves)
     masses += arriving - moved
     farther = rho[:-1] >= widths  # (a loss error as wide as the gap above: to +inf instead)
     masses[1:] += np.where(farther, 0.0, moved[:-1])
