@@ -2542,8 +2542,9 @@ def _edge_bounds(sigma: float, q: float, direction: str, edges: np.ndarray) -> t
             log_p_high = _rounded_up(single + slack, single)
             low = mixture - mixed
             log_q_low = _rounded_up(low + np.log1p(-np.exp(log_slivers - low)), mixture, sign=-1.0)
-        _across_bounds(log_p_high, log_q_low, direction, log_q, log_1mq, ((x0, log_n0, slack0), (x1, log_n1, slack1)),
-                       log_slivers)
+        if not np.isfinite(slack).all():  # a bin holding 0 with next to no mass
+            _across_bounds(log_p_high, log_q_low, direction, log_q, log_1mq,
+                           ((x0, log_n0, slack0), (x1, log_n1, slack1)), log_slivers)
     log_q_low[np.isnan(log_q_low)] = -np.inf
     return log_p_high, log_q_low, x0, x1, shift
 
@@ -2564,7 +2565,7 @@ def _across_bounds(log_p_high, log_q_low, direction, log_q, log_1mq, parts, log_
     """Redo :func:`_edge_bounds` in place for the bins holding 0 of either component
     (``parts``: each component's edges, log-masses and slacks): there a component's mass
     errs by 3.1u absolutely (:func:`_gauss_bins_slack`), which a relative slack only
-    covers while the mass is well above that."""
+    covers while the mass is above that."""
     masks = [(x[:-1] < 0) & (x[1:] > 0) for x, _, _ in parts]
     k = np.flatnonzero(masks[0] | masks[1])
     if k.size == 0:
@@ -2623,15 +2624,22 @@ def _gauss_bins_slack(x: np.ndarray, tail: np.ndarray, log_n: np.ndarray) -> np.
     :func:`_bin_bounds`).
 
     Away from 0 a bin is :math:`\log(1 - e^{-d}) + t` with ``d`` the tails' difference
-    and ``t`` the larger: ``d``'s rounding and ``expm1`` err by 3.1u relative (the
+    and ``t`` the larger (the one nearer 0, however far the other edge lies in the
+    tail): ``d``'s rounding and ``expm1`` err by 3.1u relative (the
     function's relative slope in ``d`` is at most 1), the logarithm and the sum by a
     round-off of their sizes: within :math:`4u(1 + |\log n| + |t|)`. The bin holding 0 is
     ``log1p(-(e^{ta} + e^{tb}))``: the exponentials and their sum err by 3u of the sum, at
-    most 1, so its mass errs by 3.1u absolutely, and ``log1p`` by a round-off of its size
-    (:func:`_across_bounds` uses that; here it counts as infinite)."""
-    size = _finite_abs(tail)
-    out = 4.0 * _U * (1.0 + _finite_abs(log_n) + np.maximum(size[:-1], size[1:]))
-    out[(x[:-1] < 0) & (x[1:] > 0)] = np.inf
+    most 1, so its mass errs by 3.1u absolutely, and ``log1p`` by a round-off of its size:
+    within :math:`-\log(1 - 3.1u/n) + 2.1u|\log n|` either way, while that is finite (a
+    bin holding 0 with no more mass than 3.1u counts as infinite here, and
+    :func:`_across_bounds` bounds it)."""
+    out = 4.0 * _U * (1.0 + _finite_abs(log_n) + _finite_abs(np.maximum(tail[:-1], tail[1:])))
+    across = np.flatnonzero((x[:-1] < 0) & (x[1:] > 0))
+    if across.size:
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            share = 3.1 * _U * np.exp(np.minimum(-log_n[across], 700.0))
+            out[across] = np.where(share < 1.0, -np.log1p(-np.minimum(share, 1.0)), np.inf) \
+                + 2.1 * _U * _finite_abs(log_n[across])
     return out
 
 
