@@ -141,7 +141,7 @@ from .gaussian import (
 from .ledger import MAX_DISTINCT_RUNS, Accountant, Ledger, Run, check_count, check_delta, coarsen_runs, member_groups
 from .mixture import MixtureGroup, better_than_corners, mixture_groups, mixture_rdp
 from .rdp import DEFAULT_ORDERS, conversion_terms, epsilon_from_rdp, ledger_rdp, rdp_subsampled_gaussian
-from .special import log_ndtr, ndtri
+from .special import finite_abs, log_ndtr, ndtri
 
 __all__ = ["PLDAccountant", "AUTO_GRID_POINTS", "DEFAULT_GRID_POINTS", "pld_epsilon", "pld_epsilon_lower_bound"]
 
@@ -2533,8 +2533,8 @@ def _edge_bounds(sigma: float, q: float, direction: str, edges: np.ndarray) -> t
         log_sliver[~np.isfinite(x_other)] = -np.inf
         log_slivers = np.maximum(log_sliver[:-1], log_sliver[1:]) + _LOG_2  # at each bin's two cuts
         mixture, single = (log_p, log_qq) if direction == _REMOVE else (log_qq, log_p)
-        mixed = slack + 4.0 * _U * (2.0 + _finite_abs(mixture) + abs(log_q) + _finite_abs(log_1mq)
-                                    + _finite_abs(log_n0) + _finite_abs(log_n1))
+        mixed = slack + 4.0 * _U * (2.0 + finite_abs(mixture) + abs(log_q) + finite_abs(log_1mq)
+                                    + finite_abs(log_n0) + finite_abs(log_n1))
         if direction == _REMOVE:  # P = (1 - q) N0 + q N1, Q = N0
             log_p_high = _rounded_up(np.logaddexp(mixture + mixed, log_slivers), mixture)
             log_q_low = _rounded_up(single - slack, single, sign=-1.0)
@@ -2552,15 +2552,6 @@ def _edge_bounds(sigma: float, q: float, direction: str, edges: np.ndarray) -> t
 _LOG_2 = math.log(2.0)
 
 
-def _finite_abs(a):
-    """``|a|``, with infinities counting 0 (a scalar or an array)."""
-    if not isinstance(a, np.ndarray) or a.ndim == 0:
-        return abs(float(a)) if math.isfinite(a) else 0.0
-    out = np.abs(a)
-    out[np.isinf(out)] = 0.0
-    return out
-
-
 def _across_bounds(log_p_high, log_q_low, direction, log_q, log_1mq, parts, log_slivers) -> None:
     """Redo :func:`_edge_bounds` in place for the bins holding 0 of either component
     (``parts``: each component's edges, log-masses and slacks): there a component's mass
@@ -2573,7 +2564,7 @@ def _across_bounds(log_p_high, log_q_low, direction, log_q, log_1mq, parts, log_
     highs, lows = [], []
     for (_, log_n, slack), mask in zip(parts, masks):
         centre, across = log_n[k], mask[k]
-        own = 2.1 * _U * _finite_abs(centre)
+        own = 2.1 * _U * finite_abs(centre)
         gone = 3.1 * _U * np.exp(np.minimum(-centre, 700.0))
         low = np.where(gone < 1.0, centre - own + np.log1p(-np.minimum(gone, 1.0)), -np.inf)
         highs.append(np.where(across, np.logaddexp(centre + own, math.log(3.1 * _U)), centre + slack[k]))
@@ -2581,9 +2572,9 @@ def _across_bounds(log_p_high, log_q_low, direction, log_q, log_1mq, parts, log_
     sliver, scale = np.exp(log_slivers[k]), 1.0 + 8.0 * _U
     if direction == _REMOVE:  # P = (1 - q) N0 + q N1, Q = N0
         log_p_high[k] = _rounded_up(np.log((np.exp(log_1mq + highs[0]) + np.exp(log_q + highs[1]) + sliver) * scale))
-        log_q_low[k] = lows[0] - 4.0 * _U * (1.0 + _finite_abs(lows[0]))
+        log_q_low[k] = lows[0] - 4.0 * _U * (1.0 + finite_abs(lows[0]))
     else:  # P = N1, Q = q N0 + (1 - q) N1
-        log_p_high[k] = highs[1] + 4.0 * _U * (1.0 + _finite_abs(highs[1]))
+        log_p_high[k] = highs[1] + 4.0 * _U * (1.0 + finite_abs(highs[1]))
         q_low = (np.exp(log_q + lows[0]) + np.exp(log_1mq + lows[1]) - sliver) / scale
         log_q_low[k] = np.where(q_low > 0.0, _rounded_up(np.log(np.maximum(q_low, 1e-320)), sign=-1.0), -np.inf)
 
@@ -2612,9 +2603,9 @@ def _rounded_up(value: np.ndarray, *terms, sign: float = 1.0) -> np.ndarray:
     """``value`` moved by 8u(2 + the sizes of ``value`` and ``terms``) up (``sign`` 1) or
     down (-1): more than the round-offs of a few sums, logarithms and exponentials of
     such terms (infinite ones count as 0; an infinite value stays)."""
-    slack = 2.0 + _finite_abs(value)
+    slack = 2.0 + finite_abs(value)
     for term in terms:
-        slack = slack + _finite_abs(term)
+        slack = slack + finite_abs(term)
     return value + sign * 8.0 * _U * slack
 
 
@@ -2633,13 +2624,13 @@ def _gauss_bins_slack(x: np.ndarray, tail: np.ndarray, log_n: np.ndarray) -> np.
     within :math:`-\log(1 - 3.1u/n) + 2.1u|\log n|` either way, while that is finite (a
     bin holding 0 with no more mass than 3.1u counts as infinite here, and
     :func:`_across_bounds` bounds it)."""
-    out = 4.0 * _U * (1.0 + _finite_abs(log_n) + _finite_abs(np.maximum(tail[:-1], tail[1:])))
+    out = 4.0 * _U * (1.0 + finite_abs(log_n) + finite_abs(np.maximum(tail[:-1], tail[1:])))
     across = np.flatnonzero((x[:-1] < 0) & (x[1:] > 0))
     if across.size:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             share = 3.1 * _U * np.exp(np.minimum(-log_n[across], 700.0))
             out[across] = np.where(share < 1.0, -np.log1p(-np.minimum(share, 1.0)), np.inf) \
-                + 2.1 * _U * _finite_abs(log_n[across])
+                + 2.1 * _U * finite_abs(log_n[across])
     return out
 
 
@@ -2672,8 +2663,9 @@ def _edge_errors(sigma: float, q: float, direction: str, losses: np.ndarray, log
     absolutely, its logarithm by that over ``g``, and the loss by at most that however
     small ``g`` (exactly: :math:`\log(1 - x\theta)` for :math:`x = (1-q)e^{\mp l}` and
     a relative error :math:`\theta`, which leaves ``g`` below :math:`g + |\theta|`); the
-    other sums and logarithms err by round-offs of their sizes, times that slope. ``z`` errs by :math:`3u\sigma^2|\log r| +
-    u|z|`, the loss by :math:`g/\sigma^2` times that, and the shift adds
+    other sums and logarithms err by round-offs of their sizes, times that slope. ``z``
+    errs by :math:`3u\sigma^2|\log r| + u|z|`, the loss by :math:`g/\sigma^2` times that,
+    and the shift adds
     :math:`g/\sigma` times itself. Over such tiny moves ``g`` grows by at most
     :math:`e^{\text{move}/\sigma^2} \le 1 + 2\,\text{move}/\sigma^2` (where that is at
     most 1; beyond, ``g`` is taken as 1), which is applied. The computed edge lies within
@@ -2684,15 +2676,15 @@ def _edge_errors(sigma: float, q: float, direction: str, losses: np.ndarray, log
     above for addition: it passes the grid loss only by as much as that loss lies inside
     the limit (rounding put the edge at infinity), and the edge is exact otherwise."""
     log_q, log_1mq = math.log(q), math.log1p(-q) if q < 1 else -math.inf
-    size = _finite_abs
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         slope = -np.expm1(log_1mq - losses) if direction == _REMOVE else -np.expm1(log_1mq + losses)
-        inside = 8.0 * _U * (2.0 + 2.0 * size(losses) + abs(log_q) + 3.0 * size(log_r) + size(z) / (sigma * sigma))
+        inside = 8.0 * _U * (2.0 + 2.0 * finite_abs(losses) + abs(log_q) + 3.0 * finite_abs(log_r)
+                             + finite_abs(z) / (sigma * sigma))
         move = shift / sigma + inside
         grow = 1.0 + 2.0 * move  # at least e^move where move <= 1 (and moves are about 1e-13)
         grow[move > 1.0] = np.inf
         g = np.clip(slope, 0.0, 1.0)
-        outside = 8.0 * _U * (2.0 + size(losses) + 2.0 * size(log_1mq))
+        outside = 8.0 * _U * (2.0 + finite_abs(losses) + 2.0 * finite_abs(log_1mq))
         steep = np.minimum(1.0, (g + outside) * grow)  # the slope's bound over the moves
         edge = outside + steep * inside
         rho = edge + steep * shift / sigma

@@ -57,7 +57,7 @@ import functools
 import math
 
 import numpy as np
-from .special import gammaln, gammasgn, log_expm1, log_ndtr
+from .special import finite_abs, gammaln, gammasgn, log_expm1, log_ndtr
 
 from .ledger import (
     Accountant,
@@ -171,10 +171,6 @@ def _rdp(sigma: float, q: float, orders: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(rdp), math.inf, rdp)
 
 
-def _finite_abs(x: np.ndarray) -> np.ndarray:
-    return np.where(np.isfinite(x), np.abs(x), 0.0)
-
-
 @functools.lru_cache(maxsize=8)
 def _integer_layout(alphas: tuple) -> tuple:
     """The (alpha, k) pairs with 2 <= k <= alpha, flattened, and log binom(alpha, k) for each."""
@@ -205,7 +201,7 @@ def _log_a_minus_1_integer(alphas: tuple, sigma: float, q: float) -> np.ndarray:
     # Rounding allowance: every log term adds five rounded quantities, each at most as
     # large as the bounds below; the sum of n positive terms adds (n + 2) eps relative.
     magnitude = alpha * (math.log(2.0) + abs(log_q) + 2.0 * abs(log_1mq)) + np.maximum(
-        abs(log_excess[2]), _finite_abs(log_excess[alpha.astype(np.int64)])
+        abs(log_excess[2]), finite_abs(log_excess[alpha.astype(np.int64)])
     )
     allowance = 8.0 * _EPS * magnitude + 4.0 * (alpha + 2.0) * _EPS
     with np.errstate(divide="ignore"):
@@ -267,8 +263,8 @@ def _log_a_fractional(alphas: tuple, sigma: float, q: float) -> np.ndarray:
     share0 = np.exp(log_s0 - log_halves)
     magnitude = (
         np.abs(log_abs_binom)
-        + share0 * (sum(_finite_abs(p) for p in i_parts) + np.abs(row))
-        + (1.0 - share0) * (sum(_finite_abs(p) for p in j_parts)[j_index] + np.abs(i * log_1mq))
+        + share0 * (sum(finite_abs(p) for p in i_parts) + np.abs(row))
+        + (1.0 - share0) * (sum(finite_abs(p) for p in j_parts)[j_index] + np.abs(i * log_1mq))
     )
     rounding = (scaled * (8.0 * _EPS * magnitude)).sum(axis=1) + (n_last + 3) * _EPS * scaled.sum(axis=1)
     return peak[:, 0] + np.log(total + rounding)

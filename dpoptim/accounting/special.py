@@ -3,10 +3,13 @@
 scipy takes over a second to import. An optimizer given a noise multiplier needs no
 accounting until the first ``privacy_spent()``, so ``import dpoptim`` and building an
 optimizer must not pay for it: the accounting modules call these thin wrappers, which
-import scipy the first time one of them runs. ``log_expm1`` needs numpy only.
+import scipy the first time one of them runs. ``log_expm1`` and ``finite_abs`` need numpy
+only.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -15,6 +18,14 @@ def log_expm1(x):
     """log(exp(x) - 1) for x >= 0, without overflow for large x or cancellation for small x."""
     with np.errstate(divide="ignore"):
         return x + np.log(-np.expm1(-x))
+
+
+def finite_abs(x):
+    """``|x|``, with infinities (and nan) counting 0: the size of a term in a round-off
+    bound, where an infinite term is exact (a scalar or an array)."""
+    if not isinstance(x, np.ndarray) or x.ndim == 0:
+        return abs(float(x)) if math.isfinite(x) else 0.0
+    return np.where(np.isfinite(x), np.abs(x), 0.0)
 
 
 def log_ndtr(x):
