@@ -2349,7 +2349,48 @@ def _step_distribution(sigma: float, q: float, direction: str, spacing: float, i
                               None if optimistic or thin is None else float(thin))
 
 
-@functools.lru_cache(maxsize=32)
+def _byte_bounded(entries: int, limit: int):
+    """A least-recently-used cache of a function's results by its positional arguments,
+    dropping the oldest only while it holds more than ``entries`` results and more than
+    ``limit`` bytes of their arrays; ``cache_clear()`` empties it. (Never fewer results
+    than ``entries``; many more where they are small.)"""
+    def decorate(function):
+        found, sizes, lock = {}, {}, threading.Lock()
+
+        @functools.wraps(function)
+        def cached(*args):
+            with lock:
+                if args in found:
+                    found[args] = found.pop(args)  # now the most recently used
+                    return found[args]
+            value = function(*args)
+            with lock:
+                found[args], sizes[args] = value, sum(item.nbytes for item in value if isinstance(item, np.ndarray))
+                total = sum(sizes.values())
+                while len(found) > entries and total > limit:
+                    oldest = next(iter(found))
+                    del found[oldest]
+                    total -= sizes.pop(oldest)
+            return value
+
+        def cache_clear() -> None:
+            with lock:
+                found.clear()
+                sizes.clear()
+
+        cached.cache_clear = cache_clear
+        return cached
+    return decorate
+
+
+#: Steps' grid distributions kept (:func:`_grid_distribution`): a mixture's 64 anchors
+#: per direction are asked for again by the extended-precision pass and by a finer grid's
+#: certificate, which 32 entries did not hold (a quarter of their work recomputed).
+_DISTRIBUTION_ENTRIES = 32
+_DISTRIBUTION_BYTES = 128 * 2**20
+
+
+@_byte_bounded(_DISTRIBUTION_ENTRIES, _DISTRIBUTION_BYTES)
 def _grid_distribution(sigma: float, q: float, direction: str, spacing: float, i_low: int, i_high: int,
                        optimistic: bool, thin: float | None = None):
     r"""Connect-the-dots loss distribution of one step on grid points i_low..i_high.
