@@ -547,3 +547,30 @@ def test_building_an_optimizer_does_not_import_scipy():
     root = __import__("pathlib").Path(__file__).resolve().parents[1]
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=root)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_distribution_cache_keeps_entries_by_count_and_bytes():
+    # At least ``entries`` results, more while their arrays stay under ``limit`` bytes.
+    from dpoptim.accounting import pld as pld_module
+
+    computed = []
+
+    @pld_module._byte_bounded(3, 100)
+    def distribution(key, size):
+        computed.append(key)
+        return key, np.zeros(size // 8), 0.0
+
+    for key in range(6):
+        distribution(key, 80)  # 80 bytes each: beyond three, the oldest go
+    for key in (5, 4, 3):
+        distribution(key, 80)
+    assert computed == list(range(6))
+    distribution(0, 80)
+    assert computed[-1] == 0 and len(computed) == 7
+    for key in range(10, 20):
+        distribution(key, 8)  # small ones: ten kept, 80 bytes in all
+    distribution(10, 8)
+    assert len(computed) == 17
+    distribution.cache_clear()
+    distribution(10, 8)
+    assert len(computed) == 18

@@ -2355,7 +2355,7 @@ def _byte_bounded(entries: int, limit: int):
     ``limit`` bytes of their arrays; ``cache_clear()`` empties it. (Never fewer results
     than ``entries``; many more where they are small.)"""
     def decorate(function):
-        found, sizes, lock = {}, {}, threading.Lock()
+        found, sizes, total, lock = {}, {}, [0], threading.Lock()
 
         @functools.wraps(function)
         def cached(*args):
@@ -2365,18 +2365,21 @@ def _byte_bounded(entries: int, limit: int):
                     return found[args]
             value = function(*args)
             with lock:
+                total[0] -= sizes.pop(args, 0)  # (another thread may have stored it meanwhile)
+                found.pop(args, None)
                 found[args], sizes[args] = value, sum(item.nbytes for item in value if isinstance(item, np.ndarray))
-                total = sum(sizes.values())
-                while len(found) > entries and total > limit:
+                total[0] += sizes[args]
+                while len(found) > entries and total[0] > limit:
                     oldest = next(iter(found))
                     del found[oldest]
-                    total -= sizes.pop(oldest)
+                    total[0] -= sizes.pop(oldest)
             return value
 
         def cache_clear() -> None:
             with lock:
                 found.clear()
                 sizes.clear()
+                total[0] = 0
 
         cached.cache_clear = cache_clear
         return cached
@@ -2384,8 +2387,8 @@ def _byte_bounded(entries: int, limit: int):
 
 
 #: Steps' grid distributions kept (:func:`_grid_distribution`): a mixture's 64 anchors
-#: per direction are asked for again by the extended-precision pass and by a finer grid's
-#: certificate, which 32 entries did not hold (a quarter of their work recomputed).
+#: per direction are asked for again by the extended-precision pass, which 32 entries did
+#: not hold (a third of the distributions computed twice).
 _DISTRIBUTION_ENTRIES = 32
 _DISTRIBUTION_BYTES = 128 * 2**20
 
