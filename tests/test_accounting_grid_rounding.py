@@ -235,3 +235,46 @@ def test_a_window_top_from_the_rdp_curves_is_checked_on_the_grid_distributions()
         assert pld._grid_tail(items, starved, parts) >= above
         aboves[direction] = above
     assert aboves[pld._REMOVE] > 0  # (removal's tail is not empty: the check has something to bound)
+
+
+def test_a_closed_split_of_bins_raises_rather_than_drop_mass_at_infinity():
+    # The split's lower tails and bulks keep only their points' masses: mass that
+    # connect-the-dots sends to +inf from below the top bin would be lost with the +inf
+    # mass they drop. A loss error as wide as the gap above moves an excess there.
+    points = np.array([0.0, 1.0, 1.0 + 1e-15, 2.0])
+    log_p = np.log(np.full(points.size + 1, 0.2))
+    log_q = log_p - 0.5
+    rho = np.array([0.0, 1e-12, 0.0, 0.0])  # the cut at 1.0: wider than the gap above it
+    log_excess = np.array([-np.inf, math.log(1e-3), -np.inf, -np.inf])
+    with np.errstate(divide="ignore"):
+        masses, p_inf = pld._connect_the_dots(log_p, log_q, rho, log_excess, points)
+        assert p_inf >= 1e-3  # open: counted at +inf
+        with pytest.raises(pld.DroppedMass):
+            pld._connect_the_dots(log_p, log_q, rho, log_excess, points, closed=True)
+        rho[1] = 0.0  # no such move, no underflowing bin: the same masses
+        closed, _ = pld._connect_the_dots(log_p, log_q, rho, log_excess, points, closed=True)
+        assert np.array_equal(closed, pld._connect_the_dots(log_p, log_q, rho, log_excess, points)[0])
+        log_p[0] = -np.inf  # an empty bin loses nothing ...
+        pld._connect_the_dots(log_p, log_q, rho, log_excess, points, closed=True)
+        log_p[2] = -700.0  # ... one whose mass may underflow does
+        with pytest.raises(pld.DroppedMass):
+            pld._connect_the_dots(log_p, log_q, rho, log_excess, points, closed=True)
+
+
+def test_the_split_answers_none_where_a_closed_split_would_drop_mass(monkeypatch):
+    from dpoptim.accounting import rare
+
+    steps = ((0.7, 1e-4, 1),)  # one step: a lower tail, a bulk and an upper tail
+    rare._split_epsilon.cache_clear()
+    assert rare.split_epsilon(steps, "remove", 1e-10, 1.0) is not None
+    dots = pld._dots
+
+    def refusing(sigma, q, direction, points, closed=False):
+        if closed:
+            raise pld.DroppedMass("test")
+        return dots(sigma, q, direction, points)
+
+    monkeypatch.setattr(pld, "_dots", refusing)
+    rare._split_epsilon.cache_clear()
+    assert rare.split_epsilon(steps, "remove", 1e-10, 1.0) is None
+    rare._split_epsilon.cache_clear()

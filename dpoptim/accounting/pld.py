@@ -2493,7 +2493,7 @@ def _thinned_points(sigma: float, q: float, direction: str, spacing: float, lo: 
 
 
 def _connect_the_dots(log_p_high: np.ndarray, log_q_low: np.ndarray, rho: np.ndarray, log_excess: np.ndarray,
-                      points: np.ndarray) -> tuple:
+                      points: np.ndarray, closed: bool = False) -> tuple:
     r"""``(masses, p_inf)``: the P-mass at each of the increasing grid ``points`` (any gaps)
     and at +inf, from :func:`_bin_bounds` of the bins the points cut (the first below the
     grid, the last above it): bounds on their log P-mass (above) and log Q-mass (below),
@@ -2520,7 +2520,9 @@ def _connect_the_dots(log_p_high: np.ndarray, log_q_low: np.ndarray, rho: np.nda
     split by adding mass and moving mass to higher losses, and neither lowers a privacy
     profile, composed or not. The top bin keeps at most its ratio's bound, lowered the
     same way, and sends at least the rest to +inf. A bin whose P-bound is below
-    :math:`e^{-690}` (its mass may underflow to 0) counts that much at +inf."""
+    :math:`e^{-690}` (its mass may underflow to 0) counts that much at +inf. ``closed``
+    (the caller drops p_inf, another call holding what lies above the top point): raises
+    :class:`DroppedMass` where any mass from below the top bin would go to +inf."""
     widths = np.diff(points)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         p = np.exp(log_p_high) * (1.0 + 8.0 * _U)
@@ -2544,16 +2546,24 @@ def _connect_the_dots(log_p_high: np.ndarray, log_q_low: np.ndarray, rho: np.nda
     kept = min(1.0, math.exp(min(float(top), 0.0))) if p[-1] > 0 and not math.isnan(top) else 0.0
     masses[-1] += p[-1] * kept
     lost = np.count_nonzero(log_p_high < -690.0) * math.exp(-690.0)  # bins whose mass may underflow
+    below_top = log_p_high[:-1]
+    if closed and (np.any(moved[:-1][farther] > 0.0) or np.any(np.isfinite(below_top) & (below_top < -690.0))):
+        raise DroppedMass("connect-the-dots would send mass below the top point to +inf")
     beyond = float(moved[-1]) + float(moved[:-1][farther].sum()) + float(p[-1] * (1.0 - kept)) + lost
     p_inf = beyond * (1.0 + 4.0 * _U)
     return masses, min(p_inf, 1.0)
 
 
-def _dots(sigma: float, q: float, direction: str, points: np.ndarray) -> tuple[np.ndarray, float]:
+def _dots(sigma: float, q: float, direction: str, points: np.ndarray, closed: bool = False) -> tuple[np.ndarray, float]:
     """One step's connect-the-dots on increasing grid ``points`` (any gaps): ``(masses,
-    p_inf)`` (:func:`_connect_the_dots`), from bounds that hold whatever the rounding
-    (:func:`_bin_bounds`)."""
-    return _connect_the_dots(*_bin_bounds(sigma, q, direction, points), points)
+    p_inf)`` (:func:`_connect_the_dots`, ``closed`` there), from bounds that hold whatever
+    the rounding (:func:`_bin_bounds`)."""
+    return _connect_the_dots(*_bin_bounds(sigma, q, direction, points), points, closed)
+
+
+class DroppedMass(ArithmeticError):
+    """A closed connect-the-dots (:func:`_connect_the_dots`) would lose mass: the caller
+    answers by other means."""
 
 
 def _bin_log_masses(sigma: float, q: float, direction: str, losses: np.ndarray) -> tuple:

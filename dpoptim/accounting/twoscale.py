@@ -208,7 +208,7 @@ def bulk(plan: Plan, run: tuple, direction: str, grid: tuple, step: float, delta
     fine = np.arange(a * ratio, b * ratio + 1) * h
     points = np.concatenate([[low * H - step] if below else [], np.arange(low, a) * H, fine,
                              np.arange(b + 1, high + 1) * H, [high * H + step] if above else []])
-    masses, _ = _pld._dots(sigma, q, direction, points)
+    masses, _ = _pld._dots(sigma, q, direction, points, closed=above)  # (as the split's own bulks)
     masses = masses[int(below): masses.size - int(above)]
     under, body, over = masses[: a - low], masses[a - low: a - low + fine.size], masses[a - low + fine.size:]
     s = math.fsum(body)
