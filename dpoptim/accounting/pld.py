@@ -866,11 +866,6 @@ def _reported(epsilons: dict, shift: float) -> str:
     return max(epsilons, key=lambda d: epsilons[d] + (shift if d == _ADD else 0.0))
 
 
-def _reported_value(epsilons: dict, shift: float) -> float:
-    """The value reported: ``max(remove, add + shift)``."""
-    return max(epsilons[_REMOVE], epsilons[_ADD] + shift)
-
-
 def _refined_grid(steps: tuple, deltas: dict, epsilons: dict, compose_on, grids: tuple, guess: float, lower: bool,
                   shift: float) -> tuple:
     """``(grid, epsilons)`` on a grid at least twice finer than the first (``grids``: it and
@@ -883,7 +878,7 @@ def _refined_grid(steps: tuple, deltas: dict, epsilons: dict, compose_on, grids:
     grid = _choose_grid(steps, delta, 2 * coarse.n, last, guess, tilt=coarse.tilt, order=None if lower else coarse.tilt)
     if lower:
         return grid, compose_on(steps, deltas, grid)
-    before = _reported_value(epsilons, shift)
+    before = _shifted_max(epsilons, shift)
     epsilons = _smaller_with(steps, deltas, epsilons, compose_on, lambda: grid)
     return _checked_refinement(steps, deltas, epsilons, compose_on, (coarse, grid, last), before, guess, shift)
 
@@ -908,7 +903,7 @@ def _checked_refinement(steps: tuple, deltas: dict, epsilons: dict, compose_on, 
     strict = _choose_grid(steps, min(deltas.values()), 2 * coarse.n, last, guess, tilt=coarse.tilt)
     if strict.spacing >= grid.spacing:
         return grid, epsilons  # (the spread test chose that grid too)
-    after = _reported_value(epsilons, shift)
+    after = _shifted_max(epsilons, shift)
     narrowing = coarse.spacing**2 - grid.spacing**2
     error = max(before - after, 0.0) * grid.spacing**2 / narrowing if narrowing > 0.0 else math.inf
     if error <= _SHIFT_SHARE * after:
