@@ -219,7 +219,7 @@ def test_mixture_groups_agree_by_either_route(monkeypatch):
     pld_module._pld_epsilon.cache_clear()
     pld_module._prefix_cache.clear()
     full = pld_epsilon(runs, 1e-5)
-    assert direct == pytest.approx(full, rel=1e-8)
+    assert direct == pytest.approx(full, rel=1e-7)
 
 
 def test_no_matrix_products_in_the_transforms():

@@ -757,7 +757,8 @@ class _Grid:
     computed from the distributions themselves (:func:`_certified_grid`).
     ``window_top``: where ``tail`` comes from the RDP curves, the loss it bounds the mass
     beyond and the order that bound is taken at (:func:`_grid_tail` checks it against
-    the grid distributions, which the rounding bounds move a little).
+    the grid distributions, which the rounding bounds move a little). ``cut``: the share
+    of delta the window was cut for (:func:`_choose_grid`'s ``tail_fraction``).
     """
 
     spacing: float
@@ -769,6 +770,7 @@ class _Grid:
     bottoms: dict | None = None
     thin: dict | None = None
     window_top: tuple | None = None  # (loss, order) where ``tail`` comes from the RDP curves
+    cut: float = _TAIL_FRACTION
 
 
 def _thin_of(grid: _Grid, direction: str) -> float | None:
@@ -788,23 +790,25 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
     ``mixture``: mixture groups (:mod:`.mixture`) composed in place of ``steps``, their
     corners, which size the grid. ``shift``: added to the add direction's epsilon by the
     caller (see :func:`_compose_on`). ``rare_split``: see :func:`_rounding_bound`. ``hint``: a
-    guess (:func:`_ungrouped_split`) sizing the first grid where below the RDP guess."""
+    guess (:func:`_ungrouped_split`) sizing the first grid where below the RDP guess. Cuts: :func:`_cut_checked`."""
     delta = min(deltas.values())
     bound: set = set()  # the directions whose answer rounding decided, even refined
     split: set = set()  # ... and of those, the ones the split of :mod:`.rare` answered
+    cuts: set = set()  # the directions whose answer the window's cuts moved (:func:`_cut_moves`)
     compose_on = _lower_on if lower else functools.partial(_compose_on, mixture=mixture, shift=shift, bound=bound,
-                                                            split=split, rare_split=rare_split, uncertified=set())
+                                                            split=split, rare_split=rare_split, uncertified=set(),
+                                                            cuts=cuts)
     if grid_points is not None:
         return compose_on(steps, deltas, _choose_grid(steps, delta, _fft_size(grid_points)))
     first, last = AUTO_GRID_POINTS
     # A lower bound (for tests and benchmarks) loses more to a coarse grid than the upper
     # one where a heavy step's tail decides: its grid is sized for a tenth of epsilon.
-    strict, (first, last) = (10.0, (last, last * 4)) if lower else (1.0, (first, last))
+    strict, cut, first, last = (10.0, _TAIL_FRACTION, last, 4 * last) if lower else (1.0, _CHECKED_CUT, first, last)
     guess = min(_rdp_guess(steps, delta), hint) / strict
     # Where another bound is already below the RDP guess (the Gaussian mixture, for tiny
     # sigma), the PLD may not win at all: a first look on at most the usual grid says.
     shift_until = _fft_size(DEFAULT_GRID_POINTS) if ceiling < guess else None
-    grid = _choose_grid(steps, delta, first, last, guess, shift_until)
+    grid = _choose_grid(steps, delta, first, last, guess, shift_until, tail_fraction=cut)
     # Sized without the spread test (the RDP guess lies beyond the body of the loss), the
     # grid is checked on the PLD's answer even where another bound is below it.
     unspread = _beyond_body(steps, guess, delta)
@@ -823,6 +827,7 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
             and not _fine_for(steps, grid.spacing, guess, delta, grid.tilt, points=grid.n)):
         # The guess was too high: refine on the PLD's own answer, a grid at least twice finer.
         grid, epsilons = _refined_grid(steps, deltas, epsilons, compose_on, (grid, last), guess, lower, shift)
+    grid, epsilons = _cut_checked(steps, deltas, epsilons, compose_on, (grid, cuts, split, shift))
     if (not lower and rare_split and mixture is None and grid.n >= last and guess < ceiling
             and _spread_share(steps, grid.spacing) > _SPREAD_SHARE):
         epsilons = _split_beside(steps, deltas, epsilons, grid, shift)
@@ -833,6 +838,33 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
         epsilons = _smaller_with(steps, deltas, epsilons, compose_on,
                                  _coarser_grid(steps, delta, grid, max(epsilons.values()), first))
     return epsilons
+
+
+#: The share of delta the upper bound's windows are first cut for (:func:`_cut_checked`).
+_CHECKED_CUT = 2.0**-10
+
+
+def _cut_checked(steps: tuple, deltas: dict, epsilons: dict, compose_on, state: tuple) -> tuple:
+    """``(grid, epsilons)`` after composing on ``grid`` and the grids before it (``state``:
+    it, the directions whose answers their cuts moved, :func:`_cut_moves`, those the split
+    of :mod:`.rare` answered, and the add direction's ``shift``): where the cuts moved the
+    reported answer (not the split's) and the window was cut for more than
+    :data:`_TAIL_FRACTION` of delta, the grid of as many points cut for that share, and
+    each direction's smaller answer of the two (both sound); else the same. A refined
+    grid keeps its first grid's cut (:class:`_Grid`).
+
+    The upper bound's first grid is cut for :data:`_CHECKED_CUT` of delta: cutting the
+    tails where they fall below a 2^-10 share rather than 2^-16 narrows a window that
+    rare large losses stretch (tiny q) about twice, so its bins are finer on as many
+    points. What the cuts send to +inf counts in full in delta, so every answer
+    stays a sound upper bound; where that moves epsilon noticeably (rare losses setting
+    it) the window is cut shorter."""
+    grid, cuts, split, shift = state
+    reported = _reported(epsilons, shift)
+    if not (grid.cut > _TAIL_FRACTION and reported in cuts and reported not in split):
+        return grid, epsilons
+    strict = _choose_grid(steps, min(deltas.values()), grid.n, grid.n, tail_fraction=_TAIL_FRACTION)
+    return strict, _smaller_with(steps, deltas, epsilons, compose_on, lambda: strict)
 
 
 #: :func:`_first_grid` leaves unrefined only first grids of at least this many points.
@@ -875,7 +907,8 @@ def _refined_grid(steps: tuple, deltas: dict, epsilons: dict, compose_on, grids:
     the first grid's tilt (:func:`_fine_for`), then checked (:func:`_checked_refinement`)."""
     coarse, last = grids
     delta = min(deltas.values())
-    grid = _choose_grid(steps, delta, 2 * coarse.n, last, guess, tilt=coarse.tilt, order=None if lower else coarse.tilt)
+    grid = _choose_grid(steps, delta, 2 * coarse.n, last, guess, tilt=coarse.tilt, order=None if lower else coarse.tilt,
+                        tail_fraction=coarse.cut)
     if lower:
         return grid, compose_on(steps, deltas, grid)
     before = _shifted_max(epsilons, shift)
@@ -900,7 +933,8 @@ def _checked_refinement(steps: tuple, deltas: dict, epsilons: dict, compose_on, 
     it (488 runs of 70 steps at q 8.4e-5 to 1.5e-6: tilt 76, epsilon 0.0086, moved 0.14%
     by bins the order called fine); there the check asks for the spread test's grid."""
     coarse, grid, last = grids
-    strict = _choose_grid(steps, min(deltas.values()), 2 * coarse.n, last, guess, tilt=coarse.tilt)
+    strict = _choose_grid(steps, min(deltas.values()), 2 * coarse.n, last, guess, tilt=coarse.tilt,
+                          tail_fraction=coarse.cut)
     if strict.spacing >= grid.spacing:
         return grid, epsilons  # (the spread test chose that grid too)
     after = _shifted_max(epsilons, shift)
@@ -1015,7 +1049,7 @@ def _coarser_grid(steps: tuple, delta: float, grid: _Grid, answer: float, first:
     the spread test still sized that grid): 0.1010 at 2^20 points, 0.0961 at 2^14, whose
     bins are 0.25% of epsilon; the rigorous lower bound is 0.0948."""
     def other():
-        coarse = _choose_grid(steps, delta, first, grid.n // 4, answer, spread=False)
+        coarse = _choose_grid(steps, delta, first, grid.n // 4, answer, spread=False, tail_fraction=grid.cut)
         return coarse if coarse.n < grid.n and _shift_fine(steps, coarse.spacing, answer) else None
     return other
 
@@ -1042,7 +1076,7 @@ def _shorter_cut_grid(steps: tuple, delta: float, grid: _Grid, guess: float):
 
 def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: float = 0.0, bound: set | None = None,
                 split: set | None = None, rare_split: bool = True, settle_first: bool = False,
-                uncertified: set | None = None, refine: bool = True, known: dict | None = None) -> dict:
+                uncertified: set | None = None, refine: bool = True, known: dict | None = None, cuts=None) -> dict:
     """Epsilon of each direction on ``grid``: both composed side by side in float64, then refined
     where rounding decides a direction's answer (:func:`_refined`), unless that direction cannot
     set the reported ``max(remove, add + shift)``. Refining only lowers a value (the smaller of
@@ -1051,7 +1085,7 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
     now at least as large. The result is the maximum that refining both would give (all but
     always: see :data:`_FIRST_SPLIT_SHARE`). Each direction refined is added to ``bound``
     where rounding may still decide it, or to ``split`` where the split of :mod:`.rare`
-    alone answered it (with ``rare_split``).
+    alone answered it (with ``rare_split``). ``cuts``: see :func:`_compose_direction`.
 
     ``settle_first`` (the calibration's model, :func:`model_epsilon`): one after the
     other, and the other's quickest candidate first (float64 at its own tilt where that
@@ -1061,7 +1095,7 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
     Without ``refine``: the float64 answers, ``{direction: (epsilon, rounding decides)}``,
     which a later call takes as ``known`` rather than composing them again (:func:`_first_grid`)."""
     def compose(direction: str, on: _Grid, dtype) -> tuple[float, bool]:
-        return _compose_direction(steps, direction, on, deltas[direction], dtype, mixture=mixture)
+        return _compose_direction(steps, direction, on, deltas[direction], dtype, mixture=mixture, cuts=cuts)
 
     first = known or _both_directions(lambda direction: _first_answer(compose, direction, grid, uncertified))
     if not refine:
@@ -1538,7 +1572,7 @@ def _choose_grid(steps: tuple, delta: float, n: int, last: int | None = None, gu
                 narrow = _narrow_grid(steps, n, math.inf, tail, delta)
                 if not isinstance(narrow, _Grid):
                     raise
-                return narrow
+                return dataclasses.replace(narrow, cut=tail_fraction)
             n *= 2
             continue
         # Not the last size: the narrow grid is only certified when it could end the
@@ -1548,7 +1582,7 @@ def _choose_grid(steps: tuple, delta: float, n: int, last: int | None = None, gu
         if narrow is not _TOO_COARSE:
             spacing = window[2] if narrow is None else narrow.spacing
             if at_last or fine(spacing):
-                return narrow or _rdp_grid(steps, tail, delta, n, window)
+                return dataclasses.replace(narrow or _rdp_grid(steps, tail, delta, n, window), cut=tail_fraction)
         n *= 2
 
 
@@ -3187,7 +3221,7 @@ def _direction_lower(steps, direction, grid: _Grid, delta) -> float:
 
 
 def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool = False,
-                       head: int = 0, mixture=None) -> tuple[float, bool]:
+                       head: int = 0, mixture=None, cuts: set | None = None) -> tuple[float, bool]:
     r"""Compose by FFT, undo the tilt, invert the profile: ``(epsilon, rounding_binding)``.
 
     The transform works on the *tilted* distributions :math:`\tilde m_k \propto m_k
@@ -3201,6 +3235,10 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
     ``head > 0`` says that the first ``head`` steps recur with this grid (the fixed groups
     of :func:`steering_epsilon`): their product is kept between calls (:func:`_head_product`)
     and only the rest is composed anew, in the same order, so the value is the same.
+
+    ``cuts``: where given and the window was cut for more than :data:`_TAIL_FRACTION` of
+    delta, ``direction`` is added to it where the cuts move the answer by more than
+    :data:`_CUT_SHARE` of it (:func:`_cut_moves`).
     """
     n, spacing = grid.n, grid.spacing
     bottoms = grid.bottoms[direction] if grid.bottoms and not lower else (grid.i_low,) * len(steps)
@@ -3236,7 +3274,32 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
     constant = -math.expm1(parts.log_finite) + tail
     if constant > delta * (1.0 + 2.0**-20):
         return math.inf, _UNTILTABLE  # what lies at +inf or beyond the window: no precision certifies a point
-    return _invert_profile(tilted, log_untilt, losses, constant, noise, delta)
+    found = _invert_profile(tilted, log_untilt, losses, constant, noise, delta)
+    if cuts is not None and grid.cut > _TAIL_FRACTION and _cut_moves(found[0], (tilted, log_untilt, losses, noise),
+                                                                     delta):
+        cuts.add(direction)
+    return found
+
+
+#: A window cut for more than :data:`_TAIL_FRACTION` of delta (:func:`_compose_and_invert`)
+#: is kept where the cuts move epsilon by at most this share of it.
+_CUT_SHARE = 1e-4
+
+
+def _cut_moves(answer: float, profile: tuple, delta: float) -> bool:
+    """Whether ``answer`` (an upper bound's, :func:`_compose_direction`) is more than
+    :data:`_CUT_SHARE` of itself above the answer of the same ``profile`` (``(tilted,
+    log_untilt, losses, noise)`` of :func:`_invert_profile`) without its constant: the
+    mass the cuts sent to +inf and the bound on what lies beyond the window. A cut for a
+    smaller share of delta could lower the answer by at most that much. Where rare large
+    losses set epsilon the profile is flat there (its slope is the mass beyond epsilon,
+    each part weighted by :math:`e^{\varepsilon - l}`), and a 2^-10 share of delta can
+    move it by far more than that share; in the body of the loss it moves it by about a
+    2^-10 share over the squared Gaussian quantile."""
+    if not 0.0 < answer < math.inf:
+        return False
+    free = _invert_profile(*profile[:3], 0.0, profile[3], delta)[0]
+    return answer - free > _CUT_SHARE * answer
 
 
 def _grid_tail(items, grid: _Grid, parts) -> float:
