@@ -300,6 +300,20 @@ def _blind_share(runs) -> float:
     return min(1.0, -math.expm1(log_clean) * (1.0 + 1e-12))
 
 
+def _total_variation(runs) -> float:
+    r"""The bound :math:`\sum_r T_r q_r (2\Phi(1/(2\sigma_r)) - 1)` on the total variation
+    distance between what noisy ``runs`` release with and without the example (computed
+    to a few units of rounding, which the caller's margin covers).
+
+    One subsampled Gaussian step is at q times the distance of :math:`\mathcal N(1,
+    \sigma^2)` from :math:`\mathcal N(0, \sigma^2)`, :math:`2\Phi(1/(2\sigma)) - 1`; a
+    step at distance ``t`` is (0, t)-DP in both directions, and (0, t)-DP steps compose
+    to (0, sum of t), adaptively too (basic composition, Dwork et al. 2006). Where that,
+    plus the noiseless steps' ``p0``, is at most delta, epsilon is 0 exactly."""
+    return math.fsum(run.count * run.sample_rate * math.erf(0.5 / (math.sqrt(2.0) * run.noise_multiplier))
+                     for run in runs)
+
+
 @functools.lru_cache(maxsize=256)
 def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool = False,
                  max_groups: int | None = None, rare_split: bool = True) -> float:
@@ -318,10 +332,10 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool
         \delta_{\text{add}}(\varepsilon) = \delta_r(\varepsilon - c),
 
     so epsilon is the noisy rest's at :math:`(\delta - p_0) / (1 - p_0)` (removal) and
-    its epsilon plus ``c`` (addition); it is 0 when there is no noisy rest and
-    :math:`p_0 \le \delta` (the run is :math:`(0, p_0)`-DP), and infinite when
-    :math:`p_0 \ge \delta` with a noisy rest. The other bounds (RDP, the Gaussian
-    mixture) take the noiseless steps by basic composition, at :math:`\delta - p_0`.
+    its epsilon plus ``c`` (addition); it is 0 where :math:`p_0` plus the rest's total
+    variation (:func:`_total_variation`) is at most delta, and infinite when :math:`p_0
+    \ge \delta` with a noisy rest. The other bounds (RDP, the Gaussian mixture) take the
+    noiseless steps by basic composition, at :math:`\delta - p_0`.
 
     **The minimum of sound bounds.** The PLD answer is compared with the RDP bound
     (:mod:`.rdp`, read at delta itself without noiseless steps: never above the RDP
@@ -332,10 +346,10 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool
     blind = [run for run in runs if run.noise_multiplier == 0.0]
     noisy = tuple(run for run in runs if run.noise_multiplier > 0.0)
     p0 = _blind_share(blind) if blind else 0.0
-    if not noisy:
-        return 0.0 if p0 <= delta else math.inf
-    if p0 >= delta:
-        return math.inf
+    if not noisy or p0 >= delta:
+        return 0.0 if not noisy and p0 <= delta else math.inf
+    if (p0 + _total_variation(noisy)) * (1.0 + 1e-12) <= delta:
+        return 0.0
     deltas, shift = _noisy_rest(delta, p0, lower)
     if not lower and not blind and len(noisy) == 1 and noisy[0].sample_rate < 1.0:
         mixture = _certified_mixture(*noisy[0], delta)
