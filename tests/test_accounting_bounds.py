@@ -2509,3 +2509,33 @@ def test_a_wide_cut_that_moves_epsilon_little_is_kept(monkeypatch, steps, delta)
     assert abs(checked / strict - 1) <= 1e-3
     lower = pld_epsilon_lower_bound((steps,), delta)
     assert lower <= checked <= 1.01 * lower
+
+
+def test_a_wide_cut_whose_rounding_allowance_holds_epsilon_high_is_composed_again_cut_short(monkeypatch):
+    # 45 pairs at q 1.6e-6 to 1.2e-6 over 226 steps, delta 1.9e-5: the window cut for a
+    # 2^-10 share of delta takes a larger tilt than the one cut for 2^-16 (55,109 against
+    # 38,968), and its float64 allowance, below the delta / 100 that asks for a refinement,
+    # held the answer 0.45% above the same grid in extended precision. Read without its
+    # allowance the answer falls by more than the share allowed, so the points are
+    # composed again cut for 2^-16, where the answer is within 1e-4 of extended precision.
+    delta = 1.8901795580875556e-05
+    runs = [(1.2972 + 1.6928 * t / 44, 1.6258e-6 * (1.18808e-6 / 1.6258e-6) ** (t / 44), 226) for t in range(45)]
+    cuts = []
+    choose_grid = pld_module._choose_grid
+
+    def recorded(*args, **kwargs):
+        grid = choose_grid(*args, **kwargs)
+        cuts.append((grid.n, grid.cut))
+        return grid
+
+    monkeypatch.setattr(pld_module, "_choose_grid", recorded)
+    pld_module._pld_epsilon.cache_clear()
+    checked = epsilon_of_ledger(runs, delta)
+    assert cuts[-1] == (2**15, pld_module._TAIL_FRACTION) and cuts[0][1] == pld_module._CHECKED_CUT
+    wide = choose_grid(tuple(runs), delta, 2**15, 2**15, tail_fraction=pld_module._CHECKED_CUT)
+    exact = pld_module._compose_direction(tuple(runs), "remove", wide, delta, np.longdouble)[0]
+    assert checked <= (1 + 1e-4) * exact
+    monkeypatch.setattr(pld_module, "_CUT_SHARE", math.inf)  # the wide cut kept whatever it moves
+    pld_module._pld_epsilon.cache_clear()
+    assert epsilon_of_ledger(runs, delta) > (1 + 3e-3) * exact
+    pld_module._pld_epsilon.cache_clear()
