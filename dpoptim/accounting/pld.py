@@ -859,10 +859,10 @@ _CHECKED_CUT = 2.0**-10
 
 
 def _cut_checked(steps: tuple, deltas: dict, epsilons: dict, compose_on, state: tuple) -> tuple:
-    """``(grid, epsilons)`` after composing on ``grid`` and the grids before it (``state``:
-    it, the directions whose answers their cuts moved, :func:`_cut_moves`, those the split
-    of :mod:`.rare` answered, and the add direction's ``shift``): where the cuts moved the
-    reported answer (not the split's) and the window was cut for more than
+    """``(grid, epsilons)`` after composing on ``grid`` (``state``: it, the directions and
+    grids whose answers their cuts moved, :func:`_cut_moves`, the directions the split of
+    :mod:`.rare` answered, and the add direction's ``shift``): where the cuts moved the
+    reported answer on this grid (not the split's) and the window was cut for more than
     :data:`_TAIL_FRACTION` of delta, the grid of as many points cut for that share, and
     each direction's smaller answer of the two (both sound); else the same. A refined
     grid keeps its first grid's cut (:class:`_Grid`).
@@ -875,7 +875,7 @@ def _cut_checked(steps: tuple, deltas: dict, epsilons: dict, compose_on, state: 
     it) the window is cut shorter."""
     grid, cuts, split, shift = state
     reported = _reported(epsilons, shift)
-    if not (grid.cut > _TAIL_FRACTION and reported in cuts and reported not in split):
+    if not (grid.cut > _TAIL_FRACTION and (reported, grid.n, grid.spacing) in cuts and reported not in split):
         return grid, epsilons
     strict = _choose_grid(steps, min(deltas.values()), grid.n, grid.n, tail_fraction=_TAIL_FRACTION)
     return strict, _smaller_with(steps, deltas, epsilons, compose_on, lambda: strict)
@@ -3251,8 +3251,9 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
     and only the rest is composed anew, in the same order, so the value is the same.
 
     ``cuts``: where given and the window was cut for more than :data:`_TAIL_FRACTION` of
-    delta, ``direction`` is added to it where the cuts (or the rounding allowance) move the
-    answer by more than :data:`_CUT_SHARE` of it (:func:`_cut_moves`).
+    delta, ``(direction, n, spacing)`` of the grid is added to it where the cuts (or the
+    rounding allowance) move the answer by more than :data:`_CUT_SHARE` of it
+    (:func:`_cut_moves`).
     """
     n, spacing = grid.n, grid.spacing
     bottoms = grid.bottoms[direction] if grid.bottoms and not lower else (grid.i_low,) * len(steps)
@@ -3289,9 +3290,8 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
     if constant > delta * (1.0 + 2.0**-20):
         return math.inf, _UNTILTABLE  # what lies at +inf or beyond the window: no precision certifies a point
     found = _invert_profile(tilted, log_untilt, losses, constant, noise, delta)
-    if cuts is not None and grid.cut > _TAIL_FRACTION and _cut_moves(found[0], (tilted, log_untilt, losses, noise),
-                                                                     delta):
-        cuts.add(direction)
+    if cuts is not None and grid.cut > _TAIL_FRACTION and _cut_moves(found, (tilted, log_untilt, losses, noise), delta):
+        cuts.add((direction, grid.n, grid.spacing))
     return found
 
 
@@ -3300,13 +3300,14 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
 _CUT_SHARE = 1e-4
 
 
-def _cut_moves(answer: float, profile: tuple, delta: float) -> bool:
-    r"""Whether ``answer`` (an upper bound's, :func:`_compose_direction`) is more than
-    :data:`_CUT_SHARE` of itself above the answer of the same ``profile`` (``(tilted,
-    log_untilt, losses, noise)`` of :func:`_invert_profile`) without its constant (the
-    mass the cuts sent to +inf and the bound on what lies beyond the window) and without
-    its rounding allowance. A cut for a smaller share of delta could lower the answer by
-    at most the first. Where rare large losses set epsilon the profile is flat there (its
+def _cut_moves(found: tuple, profile: tuple, delta: float) -> bool:
+    r"""Whether an upper bound's answer (``found``: it and whether rounding decides it, from
+    :func:`_compose_direction`) is more than :data:`_CUT_SHARE` of itself above the answer
+    of the same ``profile`` (``(tilted, log_untilt, losses, noise)`` of
+    :func:`_invert_profile`) without its constant (the mass the cuts sent to +inf and the
+    bound on what lies beyond the window) and, where rounding does not decide it (else it
+    is refined), without its rounding allowance. A cut for a smaller share of delta could
+    lower the answer by at most the first. Where rare large losses set epsilon the profile is flat there (its
     slope is the mass beyond epsilon, each part weighted by :math:`e^{\varepsilon - l}`),
     and a 2^-10 share of delta can move it by far more than that share.
 
@@ -3315,9 +3316,10 @@ def _cut_moves(answer: float, profile: tuple, delta: float) -> bool:
     while below the delta / 100 that asks for a refinement (45 pairs at q 1.6e-6 over 226
     steps, delta 1.9e-5: 3.3756e-5 at tilt 55,109; the window cut for 2^-16 of delta,
     at tilt 38,968, gave 3.3606e-5, 0.25% above the rigorous lower bound)."""
+    answer, binding = found
     if not 0.0 < answer < math.inf:
         return False
-    free = _invert_profile(*profile[:3], 0.0, (0.0, 0.0), delta)[0]
+    free = _invert_profile(*profile[:3], 0.0, profile[3] if binding else (0.0, 0.0), delta)[0]
     return answer - free > _CUT_SHARE * answer
 
 
