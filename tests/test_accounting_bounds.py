@@ -1036,10 +1036,9 @@ def test_rounding_is_refined_only_where_it_could_lower_epsilon_by_more_than_a_sh
 def test_an_epsilon_of_zero_is_answered_by_the_total_variation(monkeypatch, ledger):
     # Where the chance that the example changes anything (the steps' total variation,
     # subadditive: the sum of q (2 Phi(1 / 2 sigma) - 1)) is below delta, epsilon is 0
-    # exactly: answered without composing anything (the split tried first for rare
-    # losses took 3.3 s to find that for 124 pairs at q 3.5e-6 to 2e-5). The grids
-    # certify it independently, on one grid: a sound 0 cannot be lowered, so no finer
-    # grid follows (the spread test asked for 2^19 points: 5 s for 1000 such pairs).
+    # exactly: answered without composing anything, nor trying the split of a rare loss.
+    # The grids certify it independently, on one grid: a sound 0 cannot be lowered, so no
+    # finer grid follows (the spread test asked for 2^19 points: 5 s for 1000 such pairs).
     delta = 0.003
     assert sum(count * q * (2.0 * stats.norm.cdf(0.5 / sigma) - 1.0) for sigma, q, count in ledger) < delta
     composed = _record_compositions(monkeypatch)
