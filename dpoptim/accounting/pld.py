@@ -808,7 +808,7 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
     delta = min(deltas.values())
     bound: set = set()  # the directions whose answer rounding decided, even refined
     split: set = set()  # ... and of those, the ones the split of :mod:`.rare` answered
-    cuts: set = set()  # the directions whose answer the window's cuts moved (:func:`_cut_moves`)
+    cuts: set = set()  # (direction, points, spacing) where the window's cuts moved the answer (:func:`_cut_moves`)
     compose_on = _lower_on if lower else functools.partial(_compose_on, mixture=mixture, shift=shift, bound=bound,
                                                             split=split, rare_split=rare_split, uncertified=set(),
                                                             cuts=cuts)
@@ -3306,8 +3306,9 @@ def _cut_moves(found: tuple, profile: tuple, delta: float) -> bool:
     of the same ``profile`` (``(tilted, log_untilt, losses, noise)`` of
     :func:`_invert_profile`) without its constant (the mass the cuts sent to +inf and the
     bound on what lies beyond the window) and, where rounding does not decide it (else it
-    is refined), without its rounding allowance. A cut for a smaller share of delta could
-    lower the answer by at most the first. Where rare large losses set epsilon the profile is flat there (its
+    is refined), without its rounding allowance. On the same bins a cut for a smaller
+    share of delta keeps more of the same finite masses, so it could lower the answer by
+    at most the first. Where rare large losses set epsilon the profile is flat there (its
     slope is the mass beyond epsilon, each part weighted by :math:`e^{\varepsilon - l}`),
     and a 2^-10 share of delta can move it by far more than that share.
 
