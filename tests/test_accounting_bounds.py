@@ -2463,20 +2463,26 @@ def test_the_lower_bound_of_one_run_takes_the_mixture_twin_at_tiny_sigma():
     assert reported * 0.99 <= lower <= reported, (lower, reported)
 
 
+def _record_grid_cuts(monkeypatch) -> list:
+    """A list that receives ``(points, cut)`` for every grid chosen from now on."""
+    records = []
+    choose_grid = pld_module._choose_grid
+
+    def recorded(*args, **kwargs):
+        grid = choose_grid(*args, **kwargs)
+        records.append((grid.n, grid.cut))
+        return grid
+
+    monkeypatch.setattr(pld_module, "_choose_grid", recorded)
+    return records
+
+
 def test_a_wide_cut_that_moves_epsilon_is_composed_again_cut_short(monkeypatch):
     # sigma 0.45, q 1e-4, 20 steps, delta 1e-8: rare large losses set epsilon (2.6), where
     # a window cut for 2^-10 of delta moves it by 1.7e-4 of itself, more than the share
     # allowed; the same points cut for 2^-16 give the smaller answer, which is kept.
     steps, deltas = ((0.45, 1e-4, 20),), {"remove": 1e-8, "add": 1e-8}
-    cuts = []
-    choose_grid = pld_module._choose_grid
-
-    def recorded(*args, **kwargs):
-        grid = choose_grid(*args, **kwargs)
-        cuts.append((grid.n, grid.cut))
-        return grid
-
-    monkeypatch.setattr(pld_module, "_choose_grid", recorded)
+    cuts = _record_grid_cuts(monkeypatch)
     checked = max(pld_module._compose_and_invert(steps, deltas, None, rare_split=False).values())
     assert cuts == [(2**14, pld_module._CHECKED_CUT), (2**14, pld_module._TAIL_FRACTION)]
     monkeypatch.setattr(pld_module, "_CUT_SHARE", math.inf)  # the wide cut kept whatever it moves
@@ -2492,17 +2498,9 @@ def test_a_wide_cut_that_moves_epsilon_little_is_kept(monkeypatch, steps, delta)
     # share of delta moves epsilon by less than 1e-4 of it: no grid is cut short, and the
     # answer stays within that share plus what finer bins change of the strict cut's.
     deltas = {"remove": delta, "add": delta}
-    cuts = []
-    choose_grid = pld_module._choose_grid
-
-    def recorded(*args, **kwargs):
-        grid = choose_grid(*args, **kwargs)
-        cuts.append(grid.cut)
-        return grid
-
-    monkeypatch.setattr(pld_module, "_choose_grid", recorded)
+    cuts = _record_grid_cuts(monkeypatch)
     checked = max(pld_module._compose_and_invert((steps,), deltas, None, rare_split=False).values())
-    assert set(cuts) == {pld_module._CHECKED_CUT}
+    assert {cut for _, cut in cuts} == {pld_module._CHECKED_CUT}
     monkeypatch.setattr(pld_module, "_CHECKED_CUT", pld_module._TAIL_FRACTION)
     strict = max(pld_module._compose_and_invert((steps,), deltas, None, rare_split=False).values())
     assert abs(checked / strict - 1) <= 1e-3
@@ -2519,19 +2517,12 @@ def test_a_wide_cut_whose_rounding_allowance_holds_epsilon_high_is_composed_agai
     # composed again cut for 2^-16, where the answer is within 1e-4 of extended precision.
     delta = 1.8901795580875556e-05
     runs = [(1.2972 + 1.6928 * t / 44, 1.6258e-6 * (1.18808e-6 / 1.6258e-6) ** (t / 44), 226) for t in range(45)]
-    cuts = []
-    choose_grid = pld_module._choose_grid
-
-    def recorded(*args, **kwargs):
-        grid = choose_grid(*args, **kwargs)
-        cuts.append((grid.n, grid.cut))
-        return grid
-
-    monkeypatch.setattr(pld_module, "_choose_grid", recorded)
+    cuts = _record_grid_cuts(monkeypatch)
     pld_module._pld_epsilon.cache_clear()
     checked = epsilon_of_ledger(runs, delta)
     assert cuts[-1] == (2**15, pld_module._TAIL_FRACTION) and cuts[0][1] == pld_module._CHECKED_CUT
-    wide = choose_grid(tuple(runs), delta, 2**15, 2**15, tail_fraction=pld_module._CHECKED_CUT)
+    monkeypatch.undo()  # (the grid chosen directly, and the wide cut checked)
+    wide = pld_module._choose_grid(tuple(runs), delta, 2**15, 2**15, tail_fraction=pld_module._CHECKED_CUT)
     exact = pld_module._compose_direction(tuple(runs), "remove", wide, delta, np.longdouble)[0]
     assert checked <= (1 + 1e-4) * exact
     monkeypatch.setattr(pld_module, "_CUT_SHARE", math.inf)  # the wide cut kept whatever it moves
