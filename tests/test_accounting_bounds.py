@@ -2562,6 +2562,27 @@ def test_a_wide_cut_that_moves_epsilon_little_is_kept(monkeypatch, steps, delta)
     assert lower <= checked <= 1.01 * lower
 
 
+def test_a_wide_cut_is_kept_where_the_short_cuts_coarser_bins_would_cost_more(monkeypatch):
+    # 133 pairs of 165 steps at q 1e-4 to 3.6e-5, delta 1.4e-11 (mixture groups): refined
+    # from bins of 1.2e-4 to 1.5e-5 (2^17 points), where the cuts move epsilon by 1.8e-4
+    # of itself. The window cut for 2^-16 of delta needs bins twice as wide on as many
+    # points, which the refinement says cost more than that (5.4e-5 against 1.8e-5): it
+    # is not composed, and composed all the same it gives nothing smaller.
+    delta = 1.3875111922604606e-11
+    runs = [(4.36923 - 3.58112 * t / 132, 1.02055e-4 * (3.57802e-5 / 1.02055e-4) ** (t / 132), 165) for t in range(133)]
+    composed = _record_compositions(monkeypatch)
+    pld_module._pld_epsilon.cache_clear()
+    checked = pld_epsilon(runs, delta)
+    assert {grid.cut for grid, _, _ in composed} == {pld_module._CHECKED_CUT}
+    assert max(grid.n for grid, _, _ in composed) == 2**17
+    composed.clear()
+    monkeypatch.setattr(pld_module, "_bins_cost", lambda *args: 0.0)  # (the short cut composed whatever it costs)
+    pld_module._pld_epsilon.cache_clear()
+    assert pld_epsilon(runs, delta) == pytest.approx(checked, rel=1e-9)
+    assert pld_module._TAIL_FRACTION in {grid.cut for grid, _, _ in composed}
+    pld_module._pld_epsilon.cache_clear()
+
+
 def test_a_wide_cut_whose_rounding_allowance_holds_epsilon_high_is_composed_again_cut_short(monkeypatch):
     # 45 pairs at q 1.6e-6 to 1.2e-6 over 226 steps, delta 1.9e-5: the window cut for a
     # 2^-10 share of delta takes a larger tilt than the one cut for 2^-16 (55,109 against

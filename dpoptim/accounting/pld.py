@@ -847,12 +847,12 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
     that the caller reports instead, so that a finer grid would not change the result.
     ``mixture``: mixture groups (:mod:`.mixture`) composed in place of ``steps``, their
     corners, which size the grid. ``shift``: added to the add direction's epsilon by the
-    caller (see :func:`_compose_on`). ``rare_split``: see :func:`_rounding_bound`. ``hint``: a
-    guess (:func:`_ungrouped_split`) sizing the first grid where below the RDP guess. Cuts: :func:`_cut_checked`."""
+    caller (:func:`_compose_on`). ``rare_split``: see :func:`_rounding_bound`. ``hint``: a guess
+    (:func:`_ungrouped_split`) sizing the first grid where below the RDP guess. Cuts: :func:`_cut_checked`."""
     delta = min(deltas.values())
     bound: set = set()  # the directions whose answer rounding decided, even refined
     split: set = set()  # ... and of those, the ones the split of :mod:`.rare` answered
-    cuts: set = set()  # (direction, points, spacing) where the window's cuts moved the answer (:func:`_cut_moves`)
+    cuts: dict = {}  # (direction, points, spacing) -> how far the window's cuts moved its answer
     compose_on = _lower_on if lower else functools.partial(_compose_on, mixture=mixture, shift=shift, bound=bound,
                                                             split=split, rare_split=rare_split, uncertified=set(),
                                                             cuts=cuts)
@@ -880,12 +880,12 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
         return epsilons  # the split's own grid answered the reported direction: no grid here can do better
     if not lower and not any(epsilons.values()):
         return epsilons  # a sound 0 is exact (1000 pairs at q 4e-6 were refined to 2^20 points: 5 s)
-    guess = max(epsilons.values()) / strict
+    guess, coarse = max(epsilons.values()) / strict, None
     if (grid.n < last and (guess < ceiling or unspread) and reported not in bound
             and not _fine_for(steps, grid.spacing, guess, delta, grid.tilt, points=grid.n)):
-        # The guess was too high: refine on the PLD's own answer, a grid at least twice finer.
+        coarse = (grid.spacing, _shifted_max(epsilons, shift))  # the guess was too high: refine on the answer
         grid, epsilons = _refined_grid(steps, deltas, epsilons, compose_on, (grid, last), guess, lower, shift)
-    grid, epsilons = _cut_checked(steps, deltas, epsilons, compose_on, (grid, cuts, split, shift))
+    grid, epsilons = _cut_checked(steps, deltas, epsilons, compose_on, (grid, cuts, split, shift, coarse))
     if (not lower and rare_split and mixture is None and grid.n >= last and guess < ceiling
             and _spread_share(steps, grid.spacing) > _SPREAD_SHARE):
         epsilons = _split_beside(steps, deltas, epsilons, grid, shift)
@@ -903,13 +903,16 @@ _CHECKED_CUT = 2.0**-10
 
 
 def _cut_checked(steps: tuple, deltas: dict, epsilons: dict, compose_on, state: tuple) -> tuple:
-    """``(grid, epsilons)`` after composing on ``grid`` (``state``: it, the directions and
-    grids whose answers their cuts moved, :func:`_cut_moves`, the directions the split of
-    :mod:`.rare` answered, and the add direction's ``shift``): where the cuts moved the
+    """``(grid, epsilons)`` after composing on ``grid`` (``state``: it, how far their cuts
+    moved each direction's answer on each grid, :func:`_cut_move`, the directions the split
+    of :mod:`.rare` answered, the add direction's ``shift``, and the first grid's spacing
+    and reported answer where this grid refined it, else None): where the cuts moved the
     reported answer on this grid (not the split's) and the window was cut for more than
     :data:`_TAIL_FRACTION` of delta, the grid of as many points cut for that share, and
-    each direction's smaller answer of the two (both sound); else the same. A refined
-    grid keeps its first grid's cut (:class:`_Grid`).
+    each direction's smaller answer of the two (both sound); else the same. Not where
+    that grid's coarser bins would raise the answer by at least as much as the cuts
+    moved it (:func:`_bins_cost`). A refined grid keeps its first grid's cut
+    (:class:`_Grid`).
 
     The upper bound's first grid is cut for :data:`_CHECKED_CUT` of delta: cutting the
     tails where they fall below a 2^-10 share rather than 2^-16 narrows a window that
@@ -917,15 +920,35 @@ def _cut_checked(steps: tuple, deltas: dict, epsilons: dict, compose_on, state: 
     points. What the cuts send to +inf counts in full in delta, so every answer
     stays a sound upper bound; where that moves epsilon noticeably (rare losses setting
     it) the window is cut shorter."""
-    grid, cuts, split, shift = state
+    grid, cuts, split, shift, coarse = state
     reported = _reported(epsilons, shift)
-    if not (grid.cut > _TAIL_FRACTION and (reported, grid.n, grid.spacing) in cuts and reported not in split):
+    moved = cuts.get((reported, grid.n, grid.spacing), 0.0)
+    if not (grid.cut > _TAIL_FRACTION and moved > _CUT_SHARE * epsilons[reported] and reported not in split):
         return grid, epsilons
     try:
         strict = _choose_grid(steps, min(deltas.values()), grid.n, grid.n, tail_fraction=_TAIL_FRACTION)
     except FloatingPointError:  # pragma: no cover - no window fits cut shorter: the sound answers stand
         return grid, epsilons
+    if _bins_cost(coarse, (grid.spacing, _shifted_max(epsilons, shift)), strict.spacing) >= moved:
+        return grid, epsilons
     return strict, _smaller_with(steps, deltas, epsilons, compose_on, lambda: strict)
+
+
+def _bins_cost(coarse: tuple | None, fine: tuple, spacing: float) -> float:
+    r"""About how much bins of ``spacing`` would raise the answer of a grid, ``fine``
+    (``(spacing, answer)``), that refined a coarser one, ``coarse`` (the same, or None):
+    connect-the-dots moves epsilon by about :math:`c h^2` (:func:`_checked_refinement`),
+    and the two answers give ``c``. 0 without a refinement that lowered the answer, or
+    for bins no coarser. Only which sound answer is kept depends on it: 133 pairs of 165
+    steps at q 1e-4 to 3.6e-5, delta 1.4e-11 were refined to bins of 1.5e-5, where the
+    cuts moved epsilon by 1.8e-5 and the window cut for 2^-16 of delta, on bins twice as
+    wide, gave 8.6e-5 more (5.4e-5 estimated): 1.1 s for nothing."""
+    if coarse is None or not spacing > fine[0]:
+        return 0.0
+    (h0, v0), (h1, v1) = coarse, fine
+    if not (h0 > h1 and v0 > v1):
+        return 0.0
+    return (v0 - v1) * (spacing * spacing - h1 * h1) / (h0 * h0 - h1 * h1)
 
 
 #: :func:`_first_grid` leaves unrefined only first grids of at least this many points.
@@ -3282,7 +3305,7 @@ def _direction_lower(steps, direction, grid: _Grid, delta) -> float:
 
 
 def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool = False,
-                       head: int = 0, mixture=None, cuts: set | None = None) -> tuple[float, bool]:
+                       head: int = 0, mixture=None, cuts: dict | None = None) -> tuple[float, bool]:
     r"""Compose by FFT, undo the tilt, invert the profile: ``(epsilon, rounding_binding)``.
 
     The transform works on the *tilted* distributions :math:`\tilde m_k \propto m_k
@@ -3298,9 +3321,8 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
     and only the rest is composed anew, in the same order, so the value is the same.
 
     ``cuts``: where given and the window was cut for more than :data:`_TAIL_FRACTION` of
-    delta, ``(direction, n, spacing)`` of the grid is added to it where the cuts (or the
-    rounding allowance) move the answer by more than :data:`_CUT_SHARE` of it
-    (:func:`_cut_moves`).
+    delta, it maps ``(direction, n, spacing)`` of the grid to how far the cuts (or the
+    rounding allowance) move the answer (:func:`_cut_move`).
     """
     n, spacing = grid.n, grid.spacing
     bottoms = grid.bottoms[direction] if grid.bottoms and not lower else (grid.i_low,) * len(steps)
@@ -3337,8 +3359,8 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
     if constant > delta * (1.0 + 2.0**-20):
         return math.inf, _UNTILTABLE  # what lies at +inf or beyond the window: no precision certifies a point
     found = _invert_profile(tilted, log_untilt, losses, constant, noise, delta)
-    if cuts is not None and grid.cut > _TAIL_FRACTION and _cut_moves(found, (tilted, log_untilt, losses, noise), delta):
-        cuts.add((direction, grid.n, grid.spacing))
+    if cuts is not None and grid.cut > _TAIL_FRACTION:
+        cuts[direction, grid.n, grid.spacing] = _cut_move(found, (tilted, log_untilt, losses, noise), delta)
     return found
 
 
@@ -3347,15 +3369,14 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
 _CUT_SHARE = 1e-4
 
 
-def _cut_moves(found: tuple, profile: tuple, delta: float) -> bool:
-    r"""Whether an upper bound's answer (``found``: it and whether rounding decides it, from
-    :func:`_compose_direction`) is more than :data:`_CUT_SHARE` of itself above the answer
-    of the same ``profile`` (``(tilted, log_untilt, losses, noise)`` of
-    :func:`_invert_profile`) without its constant (the mass the cuts sent to +inf and the
-    bound on what lies beyond the window) and, where rounding does not decide it (else it
-    is refined), without its rounding allowance. On the same bins a cut for a smaller
-    share of delta keeps more of the same finite masses, so it could lower the answer by
-    at most the first. Where rare large losses set epsilon the profile is flat there (its
+def _cut_move(found: tuple, profile: tuple, delta: float) -> float:
+    r"""How far an upper bound's answer (``found``: it and whether rounding decides it, from
+    :func:`_compose_direction`) lies above the answer of the same ``profile`` (``(tilted,
+    log_untilt, losses, noise)`` of :func:`_invert_profile`) without its constant (the mass
+    the cuts sent to +inf and the bound on what lies beyond the window) and, where
+    rounding does not decide it (else it is refined), without its rounding allowance; 0
+    for an answer of 0 or inf. On the same bins a cut for a smaller share of delta keeps
+    more of the same finite masses, so it could lower the answer by at most that. Where rare large losses set epsilon the profile is flat there (its
     slope is the mass beyond epsilon, each part weighted by :math:`e^{\varepsilon - l}`),
     and a 2^-10 share of delta can move it by far more than that share.
 
@@ -3366,9 +3387,9 @@ def _cut_moves(found: tuple, profile: tuple, delta: float) -> bool:
     at tilt 38,968, gave 3.3606e-5, 0.25% above the rigorous lower bound)."""
     answer, binding = found
     if not 0.0 < answer < math.inf:
-        return False
+        return 0.0
     free = _invert_profile(*profile[:3], 0.0, profile[3] if binding else (0.0, 0.0), delta)[0]
-    return answer - free > _CUT_SHARE * answer
+    return answer - free
 
 
 def _grid_tail(items, grid: _Grid, parts) -> float:
