@@ -1125,7 +1125,9 @@ def test_a_grid_that_rounding_decides_even_refined_is_not_refined_to_more_points
     # (cut for a 2^-10 share of delta, the first grid has 2^16 points, where rounding does
     # not decide: the window cut for 2^-16 keeps the case)
     monkeypatch.setattr(pld_module, "_CHECKED_CUT", pld_module._TAIL_FRACTION)
+    monkeypatch.setattr(pld_module, "_GROUPED_SPLIT", False)  # (the mixture groups answer, not the split)
     composed = _record_compositions(monkeypatch)
+    pld_module._pld_epsilon.cache_clear()
     reported = pld_epsilon(ledger, 3.5e-12, max_groups=16)
     points = {grid.n for grid, _, _ in composed}
     assert len(points) == 1, sorted(points)
@@ -1656,6 +1658,7 @@ def test_a_grid_sized_by_its_tilt_stays_within_a_thousandth_of_a_finer_one(monke
         return smaller_with(steps, deltas, epsilons, compose_on, lambda: grid)
 
     monkeypatch.setattr(pld_module, "_smaller_with", recorded)
+    monkeypatch.setattr(pld_module, "_GROUPED_SPLIT", False)  # (the mixture groups answer, not the split)
     pld_module._pld_epsilon.cache_clear()
     upper = epsilon_of_ledger(runs, 8.7e-10)
     pld_module._pld_epsilon.cache_clear()
@@ -2562,6 +2565,24 @@ def test_a_wide_cut_that_moves_epsilon_little_is_kept(monkeypatch, steps, delta)
     assert lower <= checked <= 1.01 * lower
 
 
+def test_more_pairs_than_the_split_takes_are_split_grouped_where_a_rare_loss_decides(monkeypatch):
+    # 133 pairs of 165 steps at q 1e-4 to 3.6e-5, delta 1.4e-11: a rare loss decides
+    # epsilon, where the mixture groups are 4.5% loose. Beyond 128 pairs the split of
+    # rare.py takes 128 groups, each at its smallest sigma and largest q (which dominate
+    # their pairs): within 0.1% of the split of all 133 pairs themselves.
+    delta = 1.3875111922604606e-11
+    runs = [(4.36923 - 3.58112 * t / 132, 1.02055e-4 * (3.57802e-5 / 1.02055e-4) ** (t / 132), 165) for t in range(133)]
+    merged = tuple(ledger_module.Run(*run) for run in runs)
+    pld_module._pld_epsilon.cache_clear()
+    grouped = pld_epsilon(runs, delta)
+    groups = pld_module._pld_epsilon(merged, delta, None, rare_split=False)
+    monkeypatch.setattr(pld_module, "_UNGROUPED_SPLIT_PAIRS", 133)
+    pld_module._pld_epsilon.cache_clear()
+    own = pld_epsilon(runs, delta)
+    pld_module._pld_epsilon.cache_clear()
+    assert own <= grouped <= own * (1 + 1e-3) and grouped < 0.97 * groups
+
+
 def test_a_wide_cut_is_kept_where_the_short_cuts_coarser_bins_would_cost_more(monkeypatch):
     # 133 pairs of 165 steps at q 1e-4 to 3.6e-5, delta 1.4e-11 (mixture groups): refined
     # from bins of 1.2e-4 to 1.5e-5 (2^17 points), where the cuts move epsilon by 1.8e-4
@@ -2570,6 +2591,7 @@ def test_a_wide_cut_is_kept_where_the_short_cuts_coarser_bins_would_cost_more(mo
     # is not composed, and composed all the same it gives nothing smaller.
     delta = 1.3875111922604606e-11
     runs = [(4.36923 - 3.58112 * t / 132, 1.02055e-4 * (3.57802e-5 / 1.02055e-4) ** (t / 132), 165) for t in range(133)]
+    monkeypatch.setattr(pld_module, "_GROUPED_SPLIT", False)  # (the mixture groups answer, not the split)
     composed = _record_compositions(monkeypatch)
     pld_module._pld_epsilon.cache_clear()
     checked = pld_epsilon(runs, delta)

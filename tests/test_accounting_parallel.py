@@ -59,6 +59,7 @@ def test_a_direction_refined_alone_spreads_its_groups_and_transforms_over_both_t
     # extended precision alone, its groups' rows mixed half on each thread and its anchors
     # transformed by two workers; the value is the one of one core.
     runs = [(0.648 + (3.67 - 0.648) * t / 299, 5.4e-6 * (2.9e-5 / 5.4e-6) ** (t / 299), 1000) for t in range(300)]
+    monkeypatch.setattr(pld_module, "_GROUPED_SPLIT", False)  # (the mixture groups answer, not the split)
     fresh(monkeypatch, 1)
     alone = pld_module.pld_epsilon(runs, 3.5e-12)
     fresh(monkeypatch, 2)

@@ -129,8 +129,10 @@ LEDGERS = [
 def test_thinning_moves_epsilon_by_little(monkeypatch, runs, delta, thins):
     fresh_caches()
     monkeypatch.setattr(pld_module, "_THIN_SHARE", 0.0)  # every point kept
+    monkeypatch.setattr(pld_module, "_GROUPED_SPLIT", False)  # (the mixture groups answer, not the split)
     full = pld_epsilon(runs, delta)
     monkeypatch.undo()
+    monkeypatch.setattr(pld_module, "_GROUPED_SPLIT", False)  # (the mixture groups answer, not the split)
     fresh_caches()
     thinned_points = []
     thin = pld_module._thinned_points

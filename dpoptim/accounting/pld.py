@@ -411,7 +411,7 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool
     rdp_delta = delta if p0 == 0.0 else rest_delta  # (no difference to round: as the RDP accountant)
     ceiling = math.inf if lower else _other_bounds(bounded, rdp_delta)
     try:
-        early, hint = _ungrouped_split(subsampled, deltas, shift, bool(mixture and rare_split and not mu))
+        early, hint = _ungrouped_split(subsampled, deltas, shift, bool(mixture and rare_split and not mu), steps)
         pld = _shifted_max(early or _pld_answer(steps, deltas, grid_points, lower, ceiling, mixture, shift,
                                                 rare_split, hint), shift)
     except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
@@ -583,31 +583,43 @@ _FEWEST_CACHE_ENTRIES = 64
 _fewest_cache: dict = {}
 
 
-def _ungrouped_split(subsampled: list, deltas: dict, shift: float, tried: bool) -> tuple[dict | None, float]:
-    """Each direction's epsilon by the split of :mod:`.rare` of a ledger's own pairs, where
-    it has more than the group limit but at most :data:`_UNGROUPED_SPLIT_PAIRS`, a rare
+def _ungrouped_split(subsampled: list, deltas: dict, shift: float, tried: bool,
+                     corners: list) -> tuple[dict | None, float]:
+    """Each direction's epsilon by the split of :mod:`.rare` of a ledger's own pairs (more
+    than the group limit), or of more pairs than :data:`_UNGROUPED_SPLIT_PAIRS` grouped
+    into that many (each group at its smallest sigma and largest q,
+    :func:`~dpoptim.accounting.ledger.coarsen_runs`, which dominates its pairs), where a rare
     loss decides epsilon (:func:`_beyond_body`) and the split answers both directions
     without rounding deciding (:func:`_split_first`); else None (the mixture groups answer).
-    With it, a hint for the mixture groups' first grid: where the split was tried but did
-    not answer, removal's answer on the split's grid sized from the RDP guess (a sound
-    upper bound; its own grid is cached), else inf. The RDP guess is several times too high
+    With it, a hint for the mixture groups' first grid: where the split of the ledger's own
+    pairs was tried but did not answer, removal's answer on the split's grid sized from the
+    RDP guess (a sound upper bound; its own grid is cached), else inf (grouped, that hint
+    sized 321 runs of two steps a first grid of 2^18 points, refined to 2^20: 6.2 s, not 2.9). The RDP guess is several times too high
     there (0.43 for 2 at q 1e-4), and the grid it sized was refined at once: 100 pairs of
     1000 steps, sigma 1.2 to 0.6, composed 2^17 points for nothing (0.4 s of 2.3 s).
-    ``tried``: whether the split may be tried at all (mixture groups, the split allowed).
+    ``tried``: whether the split may be tried at all (mixture groups, the split allowed);
+    ``corners``: the mixture groups' corners, on which a ledger of more pairs is first
+    checked (their RDP is at hand).
 
     There the mixture groups need bins far finer than the window the rare losses stretch:
     120 pairs at q 2.1e-5 took 13 s on 2^20 points, where the split of the pairs
     themselves (each run read against one profile of all the bulks) takes 1.5 s and is
-    as tight (0.0050900 against 0.0050906)."""
+    as tight (0.0050900 against 0.0050906). Beyond 128 pairs, grouped: 133 pairs of 165
+    steps at q 1e-4 to 3.6e-5, delta 1.4e-11, 0.094927 (the groups: 0.099213; the rigorous
+    lower bound 0.094894)."""
     steps = tuple(tuple(run) for run in subsampled)
-    if not tried or len({step[:2] for step in steps}) > _UNGROUPED_SPLIT_PAIRS:
+    if not tried:
         return None, math.inf
     delta = min(deltas.values())
+    grouped = len({step[:2] for step in steps}) > _UNGROUPED_SPLIT_PAIRS
+    if grouped and not (_GROUPED_SPLIT and _beyond_body(tuple(corners), _rdp_guess(tuple(corners), delta), delta)):
+        return None, math.inf
+    steps = tuple(coarsen_runs(subsampled, _UNGROUPED_SPLIT_PAIRS)) if grouped else steps
     guess = _rdp_guess(steps, delta)
     if not _beyond_body(steps, guess, delta):
         return None, math.inf
     found = _split_first(steps, deltas, guess, shift=shift, points=_UNGROUPED_SPLIT_POINTS)
-    if found is not None:
+    if found is not None or grouped:
         return found, math.inf
     first = rare.split_epsilon(steps, _REMOVE, deltas[_REMOVE], guess, False, _UNGROUPED_SPLIT_POINTS)
     return None, first[0] if first is not None and first[0] > 0.0 else math.inf
@@ -620,6 +632,10 @@ def _ungrouped_split(subsampled: list, deltas: dict, shift: float, tried: bool) 
 #: the less: 125 pairs at q 3.8e-5 to 9.2e-5 lost 3 s to it on 2^19 points, 0.4 s on 2^17.
 _UNGROUPED_SPLIT_PAIRS = 128
 _UNGROUPED_SPLIT_POINTS = 2**17
+
+#: Whether a ledger of more pairs than that is split grouped into that many (tests of the
+#: mixture groups' own mechanism turn it off).
+_GROUPED_SPLIT = True
 
 
 def _certified_mixture(sigma: float, q: float, count: int, delta: float) -> float | None:
