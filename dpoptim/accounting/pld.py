@@ -593,10 +593,11 @@ def _ungrouped_split(subsampled: list, deltas: dict, shift: float, tried: bool,
     without rounding deciding (:func:`_split_first`); else None (the mixture groups answer).
     With it, a hint for the mixture groups' first grid: where the split of the ledger's own
     pairs was tried but did not answer, removal's answer on the split's grid sized from the
-    RDP guess (a sound upper bound; its own grid is cached), else inf (grouped, that hint
-    sized 321 runs of two steps a first grid of 2^18 points, refined to 2^20: 6.2 s, not 2.9). The RDP guess is several times too high
-    there (0.43 for 2 at q 1e-4), and the grid it sized was refined at once: 100 pairs of
-    1000 steps, sigma 1.2 to 0.6, composed 2^17 points for nothing (0.4 s of 2.3 s).
+    RDP guess (a sound upper bound; its own grid is cached), else inf. The RDP guess is
+    several times too high there (0.43 for 2 at q 1e-4), and the grid it sized was
+    refined at once: 100 pairs of 1000 steps, sigma 1.2 to 0.6, composed 2^17 points for
+    nothing (0.4 s of 2.3 s). Grouped, that hint sized grids too fine: 321 runs of two
+    steps took a first grid of 2^18 points, refined to 2^20 (6.2 s, against 2.9 s).
     ``tried``: whether the split may be tried at all (mixture groups, the split allowed);
     ``corners``: the mixture groups' corners, on which a ledger of more pairs is first
     checked (their RDP is at hand).
