@@ -577,10 +577,10 @@ def test_where_the_split_of_the_pairs_fails_its_first_answer_sizes_the_groups_gr
     pld_module._pld_epsilon.cache_clear()
     upper = epsilon_of_ledger(runs, 1e-6)
     pld_module._pld_epsilon.cache_clear()
-    assert hints[0][0] is None and upper < hints[0][1] < 1.05 * upper
+    assert hints[0][0] is None and upper < hints[0][1][0] < 1.05 * upper
     assert grids == [2**19]
     grids.clear()  # without the hint: within 0.1% (refined by the first grid's tilt), after a grid the RDP guess sized
-    monkeypatch.setattr(pld_module, "_ungrouped_split", lambda *a: (None, math.inf))
+    monkeypatch.setattr(pld_module, "_ungrouped_split", lambda *a: (None, (math.inf, math.inf)))
     assert epsilon_of_ledger(runs, 1e-6) == pytest.approx(upper, rel=1e-3) and grids == [2**16, 2**18]
     pld_module._pld_epsilon.cache_clear()
 
@@ -1361,6 +1361,26 @@ def test_a_slowly_changing_schedule_is_composed_in_fewer_groups_for_almost_nothi
     assert pld_epsilon_lower_bound(runs, DELTA, grid_points=2**14, max_groups=16) <= fewer
 
 
+def test_where_the_split_of_the_pairs_stops_its_last_removal_answer_is_kept(monkeypatch):
+    # 95 pairs of 628 steps at q 6e-4 to 2.8e-5, delta 1.8e-6: the split of the pairs
+    # answers removal 0.10041 on the scale of 0.125, where the next scale's window does not
+    # fit, so it answers nothing; the groups' grids give 0.10100. The split's last answer is
+    # a sound upper bound too, and the smaller is reported.
+    runs = [(2.6447 - 1.96876 * t / 94, 5.95543e-4 * (2.76699e-5 / 5.95543e-4) ** (t / 94), 628) for t in range(95)]
+    delta = 1.8069847402846439e-06
+    found = []
+    inner = pld_module._ungrouped_split
+    monkeypatch.setattr(pld_module, "_ungrouped_split", lambda *a: found.append(inner(*a)) or found[-1])
+    pld_module._pld_epsilon.cache_clear()
+    kept = epsilon_of_ledger(runs, delta)
+    early, (sizing, removal) = found[0]
+    assert early is None and kept == removal
+    monkeypatch.setattr(pld_module, "_ungrouped_split", lambda *a: (None, (sizing, math.inf)))
+    pld_module._pld_epsilon.cache_clear()
+    assert kept < (1 - 4e-3) * epsilon_of_ledger(runs, delta)
+    pld_module._pld_epsilon.cache_clear()
+
+
 def test_fewer_groups_are_refused_where_they_would_cost(monkeypatch):
     # 100 runs from sigma 1.2 to 0.6 at q 1e-4: 16 groups would cost 0.8% and 32 0.16%, and
     # the RDP curves say so. Above q 1e-3 (sigma 0.8 to 2 with q 0.002 to 0.02) 64 groups
@@ -1369,6 +1389,8 @@ def test_fewer_groups_are_refused_where_they_would_cost(monkeypatch):
     # the hundreds of thousands), the curves are not trusted at any share.
     wide = [(1.2 * 0.5 ** (i / 99), 1e-4, 1000) for i in range(100)]
     fast = _fast_schedule()
+    # (the groups' own answers: not capped by the split of the pairs' rare losses)
+    monkeypatch.setattr(pld_module, "_ungrouped_split", lambda *a: (None, (math.inf, math.inf)))
     _clear_groupings()
     every = {id(runs): pld_epsilon(runs, 1e-6, grid_points=2**14, max_groups=64) for runs in (wide, fast)}
     for runs in (wide, fast):
