@@ -587,7 +587,7 @@ _fewest_cache: dict = {}
 
 
 def _ungrouped_split(subsampled: list, deltas: dict, shift: float, tried: bool,
-                     corners: list) -> tuple[dict | None, float]:
+                     corners: list) -> tuple[dict | None, tuple[float, float]]:
     """Each direction's epsilon by the split of :mod:`.rare` of a ledger's own pairs (more
     than the group limit), or of more pairs than :data:`_UNGROUPED_SPLIT_PAIRS` grouped
     into that many (each group at its smallest sigma and largest q,
@@ -597,10 +597,9 @@ def _ungrouped_split(subsampled: list, deltas: dict, shift: float, tried: bool,
     With it, ``(sizing, removal)``: a hint for the mixture groups' first grid, where the
     split of the ledger's own pairs was tried but did not answer, removal's answer on the
     split's grid sized from the RDP guess (a sound upper bound; its own grid is cached),
-    else inf. The RDP guess is
-    several times too high there (0.43 for 2 at q 1e-4), and the grid it sized was
-    refined at once: 100 pairs of 1000 steps, sigma 1.2 to 0.6, composed 2^17 points for
-    nothing (0.4 s of 2.3 s). Grouped, that hint sized grids too fine: 321 runs of two
+    else inf. The RDP guess is several times too high there (0.43 for 2 at q 1e-4), and
+    the grid it sized was refined at once: 100 pairs of 1000 steps, sigma 1.2 to 0.6,
+    composed 2^17 points for nothing (0.4 s of 2.3 s). Grouped, that hint sized grids too fine: 321 runs of two
     steps took a first grid of 2^18 points, refined to 2^20 (6.2 s, against 2.9 s). And
     where the split did not answer, removal's last answer before it stopped (a sound upper
     bound, which the caller keeps where smaller), else inf.
@@ -615,20 +614,20 @@ def _ungrouped_split(subsampled: list, deltas: dict, shift: float, tried: bool,
     steps at q 1e-4 to 3.6e-5, delta 1.4e-11, 0.094927 (the groups: 0.099213; the rigorous
     lower bound 0.094894)."""
     steps = tuple(tuple(run) for run in subsampled)
-    none = None, (math.inf, math.inf)
+    nothing = (math.inf, math.inf)
     if not tried:
-        return none
+        return None, nothing
     delta = min(deltas.values())
     grouped = len({step[:2] for step in steps}) > _UNGROUPED_SPLIT_PAIRS
     if grouped and not (_GROUPED_SPLIT and _beyond_body(tuple(corners), _rdp_guess(tuple(corners), delta), delta)):
-        return none
+        return None, nothing
     steps = tuple(coarsen_runs(subsampled, _UNGROUPED_SPLIT_PAIRS)) if grouped else steps
     guess = _rdp_guess(steps, delta)
     if not _beyond_body(steps, guess, delta):
-        return none
+        return None, nothing
     found = _split_first(steps, deltas, guess, shift=shift, points=_UNGROUPED_SPLIT_POINTS)
     if found is not None:
-        return found, (math.inf, math.inf)
+        return found, nothing
     # removal's last answer before its split stopped (its scales are cached): sound, and
     # where the next scale's window did not fit, tighter than the groups' (811 pairs of 9
     # steps at q 5.6e-4 to 2.2e-4: 0.060672 against 0.061103)
