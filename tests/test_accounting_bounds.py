@@ -580,7 +580,7 @@ def test_where_the_split_of_the_pairs_fails_its_first_answer_sizes_the_groups_gr
     assert hints[0][0] is None and upper < hints[0][1][0] < 1.05 * upper
     assert grids == [2**19]
     grids.clear()  # without the hint: within 0.1% (refined by the first grid's tilt), after a grid the RDP guess sized
-    monkeypatch.setattr(pld_module, "_ungrouped_split", lambda *a: (None, (math.inf, math.inf)))
+    monkeypatch.setattr(pld_module, "_ungrouped_split", lambda *a: (None, (math.inf, {})))
     assert epsilon_of_ledger(runs, 1e-6) == pytest.approx(upper, rel=1e-3) and grids == [2**16, 2**18]
     pld_module._pld_epsilon.cache_clear()
 
@@ -1373,11 +1373,36 @@ def test_where_the_split_of_the_pairs_stops_its_last_removal_answer_is_kept(monk
     monkeypatch.setattr(pld_module, "_ungrouped_split", lambda *a: found.append(inner(*a)) or found[-1])
     pld_module._pld_epsilon.cache_clear()
     kept = epsilon_of_ledger(runs, delta)
-    early, (sizing, removal) = found[0]
-    assert early is None and kept == removal
-    monkeypatch.setattr(pld_module, "_ungrouped_split", lambda *a: (None, (sizing, math.inf)))
+    early, (sizing, bounds) = found[0]
+    assert early is None and kept == bounds["remove"]
+    monkeypatch.setattr(pld_module, "_ungrouped_split", lambda *a: (None, (sizing, {})))
     pld_module._pld_epsilon.cache_clear()
     assert kept < (1 - 4e-3) * epsilon_of_ledger(runs, delta)
+    pld_module._pld_epsilon.cache_clear()
+
+
+def test_under_a_chosen_group_limit_the_grouped_split_only_bounds_the_mixture_groups(monkeypatch):
+    # 600 pairs of 43 steps, sigma 2.78 to 0.57 while q falls from 5.3e-3 to 3.6e-5: the
+    # split of the pairs grouped into 128 corners answers 1.0364, and under the default
+    # limit that is the answer. 256 mixture transforms, asked for, are tighter still; the
+    # split's answer is then a bound each direction keeps only where smaller.
+    runs = [(2.78473 - 2.21093 * t / 599, 5.26728e-3 * (3.60303e-5 / 5.26728e-3) ** (t / 599), 43) for t in range(600)]
+    delta = 3.1101534839548447e-10
+    found = []
+    inner = pld_module._ungrouped_split
+    monkeypatch.setattr(pld_module, "_ungrouped_split", lambda *a: found.append(inner(*a)) or found[-1])
+    pld_module._pld_epsilon.cache_clear()
+    default = pld_epsilon(runs, delta)
+    split = found[-1][0]
+    assert split is not None and default == max(split.values())
+    chosen = pld_epsilon(runs, delta, max_groups=256)
+    early, (sizing, bounds) = found[-1]
+    assert early is None and sizing == math.inf and bounds == split
+    assert chosen < (1 - 0.03) * default
+    # the mixture groups alone give the same: the split's bound does not decide here
+    monkeypatch.setattr(pld_module, "_ungrouped_split", lambda *a: (None, (math.inf, {})))
+    pld_module._pld_epsilon.cache_clear()
+    assert pld_epsilon(runs, delta, max_groups=256) == chosen
     pld_module._pld_epsilon.cache_clear()
 
 
@@ -1390,7 +1415,7 @@ def test_fewer_groups_are_refused_where_they_would_cost(monkeypatch):
     wide = [(1.2 * 0.5 ** (i / 99), 1e-4, 1000) for i in range(100)]
     fast = _fast_schedule()
     # (the groups' own answers: not capped by the split of the pairs' rare losses)
-    monkeypatch.setattr(pld_module, "_ungrouped_split", lambda *a: (None, (math.inf, math.inf)))
+    monkeypatch.setattr(pld_module, "_ungrouped_split", lambda *a: (None, (math.inf, {})))
     _clear_groupings()
     every = {id(runs): pld_epsilon(runs, 1e-6, grid_points=2**14, max_groups=64) for runs in (wide, fast)}
     for runs in (wide, fast):

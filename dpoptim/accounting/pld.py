@@ -411,7 +411,8 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool
     rdp_delta = delta if p0 == 0.0 else rest_delta  # (no difference to round: as the RDP accountant)
     ceiling = math.inf if lower else _other_bounds(bounded, rdp_delta)
     try:
-        early, hint = _ungrouped_split(subsampled, deltas, shift, bool(mixture and rare_split and not mu), steps)
+        early, hint = _ungrouped_split(subsampled, deltas, shift, bool(mixture and rare_split and not mu), steps,
+                                       max_groups is None)
         pld = _shifted_max(early or _pld_answer(steps, deltas, grid_points, lower, ceiling, mixture, shift,
                                                 rare_split, hint), shift)
     except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
@@ -422,15 +423,15 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool
 
 
 def _pld_answer(steps: list, deltas: dict, grid_points, lower: bool, ceiling: float, mixture, shift: float,
-                rare_split: bool, hint: tuple = (math.inf, math.inf)) -> dict:
+                rare_split: bool, hint: tuple = (math.inf, {})) -> dict:
     """Each direction's PLD epsilon: the stages' (:func:`_staged`) where they settle it,
     else the grid's (:func:`_compose_and_invert`), or each direction's smaller of the two
     where the stages answered unsettled (both are sound upper bounds; taking the smaller
     keeps epsilon continuous where the stages stop settling it). ``hint``: ``(sizing,
-    removal)`` of :func:`_ungrouped_split`, a guess sizing the first grid (see
-    :func:`_compose_and_invert`) and a sound upper bound on removal's epsilon, kept where
-    smaller (inf: none)."""
-    sizing, removal = hint
+    bounds)`` of :func:`_ungrouped_split`, a guess sizing the first grid (see
+    :func:`_compose_and_invert`) and sound upper bounds on some directions' epsilons,
+    each kept where smaller."""
+    sizing, bounds = hint
     found = _staged(steps, deltas, shift, ceiling, grid_points is None and not (lower or mixture))
     if found is not None and found.settled:
         return found.epsilons
@@ -438,7 +439,7 @@ def _pld_answer(steps: list, deltas: dict, grid_points, lower: bool, ceiling: fl
                                    sizing)
     if found is not None:
         epsilons = {direction: min(value, found.epsilons[direction]) for direction, value in epsilons.items()}
-    return {**epsilons, _REMOVE: min(epsilons[_REMOVE], removal)} if removal < math.inf else epsilons
+    return {direction: min(value, bounds.get(direction, math.inf)) for direction, value in epsilons.items()}
 
 
 def _staged(steps: list, deltas: dict, shift: float, ceiling: float, allowed: bool):
@@ -586,26 +587,31 @@ _FEWEST_CACHE_ENTRIES = 64
 _fewest_cache: dict = {}
 
 
-def _ungrouped_split(subsampled: list, deltas: dict, shift: float, tried: bool,
-                     corners: list) -> tuple[dict | None, tuple[float, float]]:
+def _ungrouped_split(subsampled: list, deltas: dict, shift: float, tried: bool, corners: list,
+                     alone: bool = True) -> tuple[dict | None, tuple[float, dict]]:
     """Each direction's epsilon by the split of :mod:`.rare` of a ledger's own pairs (more
     than the group limit), or of more pairs than :data:`_UNGROUPED_SPLIT_PAIRS` grouped
     into that many (each group at its smallest sigma and largest q,
     :func:`~dpoptim.accounting.ledger.coarsen_runs`, which dominates its pairs), where a rare
     loss decides epsilon (:func:`_beyond_body`) and the split answers both directions
     without rounding deciding (:func:`_split_first`); else None (the mixture groups answer).
-    With it, ``(sizing, removal)``: a hint for the mixture groups' first grid, where the
-    split of the ledger's own pairs was tried but did not answer, removal's answer on the
-    split's grid sized from the RDP guess (a sound upper bound; its own grid is cached),
-    else inf. The RDP guess is several times too high there (0.43 for 2 at q 1e-4), and
-    the grid it sized was refined at once: 100 pairs of 1000 steps, sigma 1.2 to 0.6,
-    composed 2^17 points for nothing (0.4 s of 2.3 s). Grouped, that hint sized grids too fine: 321 runs of two
-    steps took a first grid of 2^18 points, refined to 2^20 (6.2 s, against 2.9 s). And
-    where the split did not answer, removal's last answer before it stopped (a sound upper
-    bound, which the caller keeps where smaller), else inf.
+    With it, ``(sizing, bounds)``. ``sizing``: a hint for the mixture groups' first grid,
+    where the split of the ledger's own pairs was tried but did not answer, removal's
+    answer on the split's grid sized from the RDP guess (a sound upper bound; its own
+    grid is cached), else inf. The RDP guess is several times too high there (0.43 for 2
+    at q 1e-4), and the grid it sized was refined at once: 100 pairs of 1000 steps, sigma
+    1.2 to 0.6, composed 2^17 points for nothing (0.4 s of 2.3 s). Grouped, that hint
+    sized grids too fine: 321 runs of two steps took a first grid of 2^18 points, refined
+    to 2^20 (6.2 s, against 2.9 s). ``bounds``: sound upper bounds ``{direction: epsilon}``
+    that the caller keeps where smaller; where the split did not answer, removal's last
+    answer before it stopped.
     ``tried``: whether the split may be tried at all (mixture groups, the split allowed);
     ``corners``: the mixture groups' corners, on which a ledger of more pairs is first
-    checked (their RDP is at hand).
+    checked (their RDP is at hand); ``alone``: whether a grouped split's answer is the
+    answer (the default group limit). Under a limit of the caller's choice it is only
+    such a bound, as the mixture groups of that many transforms can be tighter than the
+    128 corners: 6,536 pairs of 4 steps, sigma 2.78 to 0.57 with q 5.3e-3 to 3.6e-5,
+    delta 3.1e-10, split grouped 1.0259, on 512 mixture transforms 0.8700.
 
     There the mixture groups need bins far finer than the window the rare losses stretch:
     120 pairs at q 2.1e-5 took 13 s on 2^20 points, where the split of the pairs
@@ -614,7 +620,7 @@ def _ungrouped_split(subsampled: list, deltas: dict, shift: float, tried: bool,
     steps at q 1e-4 to 3.6e-5, delta 1.4e-11, 0.094927 (the groups: 0.099213; the rigorous
     lower bound 0.094894)."""
     steps = tuple(tuple(run) for run in subsampled)
-    nothing = (math.inf, math.inf)
+    nothing: tuple = (math.inf, {})
     if not tried:
         return None, nothing
     delta = min(deltas.values())
@@ -627,7 +633,7 @@ def _ungrouped_split(subsampled: list, deltas: dict, shift: float, tried: bool,
         return None, nothing
     found = _split_first(steps, deltas, guess, shift=shift, points=_UNGROUPED_SPLIT_POINTS)
     if found is not None:
-        return found, nothing
+        return (found, nothing) if alone or not grouped else (None, (math.inf, found))
     # removal's last answer before its split stopped (its scales are cached): sound, and
     # where the next scale's window did not fit, tighter than the groups' (811 pairs of 9
     # steps at q 5.6e-4 to 2.2e-4: 0.060672 against 0.061103)
@@ -635,7 +641,7 @@ def _ungrouped_split(subsampled: list, deltas: dict, shift: float, tried: bool,
     removal = last[0] if last is not None else math.inf
     first = None if grouped else rare.split_epsilon(steps, _REMOVE, deltas[_REMOVE], guess, False,
                                                     _UNGROUPED_SPLIT_POINTS)
-    return None, (first[0] if first is not None and first[0] > 0.0 else math.inf, removal)
+    return None, (first[0] if first is not None and first[0] > 0.0 else math.inf, {_REMOVE: removal})
 
 
 #: :func:`_ungrouped_split` splits ledgers of at most this many pairs, on windows of at
