@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import validate
-from .special import log_expm1
+from .special import gammaln, log_expm1
 
 __all__ = [
     "Run",
@@ -182,7 +182,8 @@ MAX_DISTINCT_RUNS = 64
 FREE_MERGE_SHARE = 2e-4
 
 
-def coarsen_runs(runs, max_distinct: int | None = None, *, optimistic: bool = False) -> list[tuple[float, float, int]]:
+def coarsen_runs(runs, max_distinct: int | None = None, *, optimistic: bool = False,
+                 order: int = 2) -> list[tuple[float, float, int]]:
     r"""``(sigma, q, count)`` per group of ``(sigma, q)`` pairs, at most ``max_distinct``
     groups (default :data:`MAX_DISTINCT_RUNS`).
 
@@ -201,8 +202,9 @@ def coarsen_runs(runs, max_distinct: int | None = None, *, optimistic: bool = Fa
     Which pairs share a group is decided by cost, not by a uniform rounding: pairs are
     ordered by ``(q, sigma)`` and neighbouring groups merged greedily, cheapest first,
     where the cost of a group is what rounding adds to a proxy of its privacy loss
-    (:func:`_step_cost`, the order-2 Renyi divergence of one step, which grows like the
-    variance of the privacy loss). Merging stops once at most ``max_distinct`` groups are
+    (:func:`_step_costs`: by default the order-2 Renyi divergence of one step, which grows
+    like the variance of the privacy loss; at a higher integer ``order`` where the caller
+    knows which order decides epsilon). Merging stops once at most ``max_distinct`` groups are
     left and the next merge would cost more than :data:`FREE_MERGE_SHARE` of the whole
     ledger's cost, by this proxy or by the one for orders near 1 (:func:`_near_one_costs`).
     A step of negligible cost (one step at sigma = 100 after 50,000 at sigma = 1) is
@@ -224,12 +226,12 @@ def coarsen_runs(runs, max_distinct: int | None = None, *, optimistic: bool = Fa
         key = runs  # validated: floats and ints already
     else:
         key = tuple((float(sigma), float(q), int(count)) for sigma, q, count in runs)
-    return list(_coarsen(key, max_distinct, optimistic))
+    return list(_coarsen(key, max_distinct, optimistic, order))
 
 
 @functools.lru_cache(maxsize=64)
-def _coarsen(runs: tuple, max_distinct: int, optimistic: bool) -> tuple:
-    special, groups = member_groups(runs, max_distinct, optimistic)
+def _coarsen(runs: tuple, max_distinct: int, optimistic: bool, order: int = 2) -> tuple:
+    special, groups = member_groups(runs, max_distinct, optimistic, order)
     out = list(special)
     for members in groups:
         sigmas = [sigma for sigma, _, _ in members]
@@ -243,11 +245,11 @@ def _coarsen(runs: tuple, max_distinct: int, optimistic: bool) -> tuple:
 
 
 @functools.lru_cache(maxsize=64)
-def member_groups(runs: tuple, max_distinct: int, optimistic: bool = False) -> tuple[tuple, tuple]:
+def member_groups(runs: tuple, max_distinct: int, optimistic: bool = False, order: int = 2) -> tuple[tuple, tuple]:
     """``(special, groups)``: the runs of ``sigma = 0`` or ``inf`` (kept as they are), and
-    the groups :func:`coarsen_runs` forms of the others, each a tuple of its distinct
-    ``(sigma, q, count)`` members (equal pairs merged), at most ``max_distinct`` groups
-    in all. ``runs`` holds ``(sigma, q, count)`` floats and ints."""
+    the groups :func:`coarsen_runs` forms of the others (at the proxy's ``order``), each
+    a tuple of its distinct ``(sigma, q, count)`` members (equal pairs merged), at most
+    ``max_distinct`` groups in all. ``runs`` holds ``(sigma, q, count)`` floats and ints."""
     special, items, rounded = _ordered_pairs(runs)
     # The partition depends on the pairs and the rounded counts only: a ledger grown by a
     # step usually finds it cached. The merges it takes for free are cheap pessimistically
@@ -257,7 +259,7 @@ def member_groups(runs: tuple, max_distinct: int, optimistic: bool = False) -> t
     if len(items) <= 1 or (optimistic and len(items) <= limit):
         sizes = (1,) * len(items)
     else:
-        sizes = _partition(rounded, limit)
+        sizes = _partition(rounded, limit, order)
     groups, start = [], 0
     for size in sizes:
         groups.append(tuple((sigma, q, count) for (sigma, q), count in items[start:start + size]))
@@ -285,9 +287,11 @@ def _ordered_pairs(runs: tuple) -> tuple[tuple, tuple, tuple]:
     return special, items, tuple((key, _rounded_count(count)) for key, count in items)
 
 
-def _step_cost(sigma: float, q: float) -> float:
-    """:func:`_step_costs` of one pair, in scalar arithmetic (the greedy merge's inner loop
-    calls it a few thousand times; numpy's per-call cost would dominate)."""
+def _step_cost(sigma: float, q: float, order: int = 2) -> float:
+    """:func:`_step_costs` of one pair, in scalar arithmetic at order 2 (the greedy merge's
+    inner loop calls it a few thousand times; numpy's per-call cost would dominate)."""
+    if order != 2:
+        return _step_cost_at(float(sigma), float(q), order)
     square = float(sigma) * float(sigma)
     exponent = 1.0 / square if square > 1.0 / _LARGEST_EXPONENT else _LARGEST_EXPONENT
     if q <= 0.0:
@@ -298,20 +302,40 @@ def _step_cost(sigma: float, q: float) -> float:
     return math.log1p(math.exp(log_chi_square))
 
 
-def _step_costs(sigma: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """Proxy of one step's privacy cost, per pair: its order-2 Renyi divergence
-    log(1 + q^2 (e^{1/sigma^2} - 1)), from the chi-square divergence of the subsampled
-    Gaussian (Mironov, Talwar & Zhang 2019), computed in logs so that it keeps growing
-    as sigma shrinks (about 1/sigma^2 + 2 log q once that is large).
+@functools.lru_cache(maxsize=4096)
+def _step_cost_at(sigma: float, q: float, order: int) -> float:
+    """:func:`_step_costs` of one pair at an order other than 2 (pairs recur in the greedy)."""
+    return float(_step_costs(np.array([sigma]), np.array([q]), order)[0])
+
+
+def _step_costs(sigma: np.ndarray, q: np.ndarray, order: int = 2) -> np.ndarray:
+    r"""Proxy of one step's privacy cost, per pair: its Renyi divergence at ``order`` times
+    ``order - 1``, the log of the moment :math:`A_\alpha` of the subsampled Gaussian
+    (Mironov, Talwar & Zhang 2019), computed in logs so that it keeps growing as sigma
+    shrinks. At order 2, log(1 + q^2 (e^{1/sigma^2} - 1)) from the chi-square divergence
+    (about 1/sigma^2 + 2 log q once that is large).
 
     For moderate sigma this is the chi-square itself, which grows like the variance of
     the privacy loss. The chi-square alone grows like e^{1/sigma^2}: a few steps at sigma
     0.2 would outweigh thousands at sigma 1.7 by a factor of 10^4, and merges that moved
     epsilon by 28% looked free next to them. A cap on the exponent has the opposite
-    fault: every sigma below the cap costs the same, so merging them looks free."""
+    fault: every sigma below the cap costs the same, so merging them looks free.
+
+    Other integer orders take the binomial expansion :math:`A_\alpha = \sum_k
+    \binom{\alpha}{k} (1-q)^{\alpha-k} q^k e^{k(k-1)/(2\sigma^2)}` (their Sec. 3.3), in logs;
+    its rounding is not bounded, as the proxy only steers the grouping."""
     with np.errstate(divide="ignore", over="ignore"):
-        log_chi_square = 2.0 * np.log(q) + log_expm1(np.minimum(1.0 / (sigma * sigma), _LARGEST_EXPONENT))
-    return np.logaddexp(0.0, log_chi_square)
+        exponent = np.minimum(1.0 / (sigma * sigma), _LARGEST_EXPONENT)
+        if order == 2:
+            return np.logaddexp(0.0, 2.0 * np.log(q) + log_expm1(exponent))
+    k = np.arange(order + 1, dtype=float)
+    log_binom = gammaln(order + 1.0) - gammaln(k + 1.0) - gammaln(order - k + 1.0)
+    rates = np.asarray(q, dtype=float)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = (log_binom + np.where(k < order, (order - k) * np.log1p(-rates), 0.0) + k * np.log(rates)
+                 + 0.5 * k * (k - 1.0) * np.asarray(exponent, dtype=float)[:, None])
+    peak = terms.max(axis=1)
+    return peak + np.log(np.exp(terms - peak[:, None]).sum(axis=1))
 
 
 #: 1/sigma^2 beyond this (sigma below 1e-125, no privacy at all) counts as this much, so
@@ -320,9 +344,9 @@ _LARGEST_EXPONENT = 1e250
 
 
 @functools.lru_cache(maxsize=64)
-def _partition(items: tuple, max_distinct: int) -> tuple:
+def _partition(items: tuple, max_distinct: int, order: int = 2) -> tuple:
     """Sizes of the consecutive groups :func:`_merge_groups` forms from ``items``."""
-    return tuple(_merge_groups(list(items), max_distinct))
+    return tuple(_merge_groups(list(items), max_distinct, order))
 
 
 def _rounded_count(count: float) -> float:
@@ -333,22 +357,23 @@ class _Groups:
     """Consecutive groups of ordered pairs: per group its size, step count, summed own
     cost ``sum c_r w_r``, smallest sigma and largest q."""
 
-    def __init__(self, items: list):
+    def __init__(self, items: list, order: int = 2):
+        self.order = order
         self.sizes = np.ones(len(items), dtype=np.int64)
         self.counts = np.array([count for _, count in items], dtype=float)
         self.sigmas = np.array([key[0] for key, _ in items], dtype=float)
         self.rates = np.array([key[1] for key, _ in items], dtype=float)
-        self.weights = self.counts * _step_costs(self.sigmas, self.rates)
+        self.weights = self.counts * _step_costs(self.sigmas, self.rates, order)
 
     def own_costs(self) -> np.ndarray:
         """What accounting each group at its smallest sigma and largest q adds to the proxy."""
-        return self.counts * _step_costs(self.sigmas, self.rates) - self.weights
+        return self.counts * _step_costs(self.sigmas, self.rates, self.order) - self.weights
 
     def pair_costs(self) -> np.ndarray:
         """What merging each group with the next adds."""
         own = self.own_costs()
         merged = (self.counts[:-1] + self.counts[1:]) * _step_costs(
-            np.minimum(self.sigmas[:-1], self.sigmas[1:]), np.maximum(self.rates[:-1], self.rates[1:]))
+            np.minimum(self.sigmas[:-1], self.sigmas[1:]), np.maximum(self.rates[:-1], self.rates[1:]), self.order)
         return merged - self.weights[:-1] - self.weights[1:] - own[:-1] - own[1:]
 
     def merge_pairs(self, firsts: np.ndarray) -> None:
@@ -394,7 +419,7 @@ def _premerge(groups: _Groups, target: int) -> float:
 _PREMERGE_FACTOR = 4
 
 
-def _merge_groups(items: list, max_distinct: int) -> list[int]:
+def _merge_groups(items: list, max_distinct: int, order: int = 2) -> list[int]:
     """Sizes of the groups formed by greedy agglomeration of neighbours in ``items``
     (``((sigma, q), count)``, ordered): a heap of neighbour merges by cost, stale
     entries skipped by version numbers; long ledgers are pre-merged by :func:`_premerge`.
@@ -403,7 +428,7 @@ def _merge_groups(items: list, max_distinct: int) -> list[int]:
     a ledger that grows by a step (or max_steps' next candidate) then keeps its groups,
     and the transforms cached for them.
     """
-    groups = _Groups(items)
+    groups = _Groups(items, order)
     free = FREE_MERGE_SHARE * float(groups.weights.sum())
     free_near_one = FREE_MERGE_SHARE * float((groups.counts * _near_one_costs(groups.sigmas, groups.rates)).sum())
     spent = _premerge(groups, _PREMERGE_FACTOR * max_distinct) if len(items) > _PREMERGE_FACTOR * max_distinct else 0.0
@@ -441,12 +466,12 @@ def _greedy(groups: _Groups, max_distinct: int, spent: float, free: tuple) -> li
     alive, version = [True] * n, [0] * n
 
     def own_cost(i):
-        return counts[i] * _step_cost(sig_min[i], q_max[i]) - weights[i]
+        return counts[i] * _step_cost(sig_min[i], q_max[i], groups.order) - weights[i]
 
     costs = [own_cost(i) for i in range(n)]
 
     def pair_cost(i, j):
-        rep = _step_cost(min(sig_min[i], sig_min[j]), max(q_max[i], q_max[j]))
+        rep = _step_cost(min(sig_min[i], sig_min[j]), max(q_max[i], q_max[j]), groups.order)
         return (counts[i] + counts[j]) * rep - weights[i] - weights[j] - costs[i] - costs[j]
 
     def near_one_cost(i, j):  # what the merge adds to the accounted groups, by the second proxy

@@ -139,7 +139,7 @@ from .gaussian import (
     mixture_epsilon_lower_bound,
 )
 from .ledger import MAX_DISTINCT_RUNS, Accountant, Ledger, Run, check_count, check_delta, coarsen_runs, member_groups
-from .mixture import MixtureGroup, better_than_corners, mixture_groups, mixture_rdp
+from .mixture import MixtureGroup, better_than_corners, deciding_order, mixture_groups, mixture_rdp
 from .rdp import DEFAULT_ORDERS, conversion_terms, epsilon_from_rdp, ledger_rdp, rdp_subsampled_gaussian
 from .special import finite_abs, log_ndtr, ndtri
 
@@ -411,8 +411,7 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool
     rdp_delta = delta if p0 == 0.0 else rest_delta  # (no difference to round: as the RDP accountant)
     ceiling = math.inf if lower else _other_bounds(bounded, rdp_delta)
     try:
-        early, hint = _ungrouped_split(subsampled, deltas, shift, bool(mixture and rare_split and not mu), steps,
-                                       max_groups is None)
+        early, hint = _ungrouped_split(subsampled, deltas, shift, rare_split and not (lower or mu), steps, max_groups)
         pld = _shifted_max(early or _pld_answer(steps, deltas, grid_points, lower, ceiling, mixture, shift,
                                                 rare_split, hint), shift)
     except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
@@ -490,17 +489,20 @@ def _grouped(subsampled: list, max_groups: int | None, mu: float, lower: bool,
     upper bound of a ledger of more distinct pairs than the group limit, mixture groups
     (:mod:`.mixture`, the Gaussian step a group of its own) and their corners as steps.
     With the default limit, fewer mixture groups where they cost next to nothing
-    (:func:`_fewest_groups`)."""
-    limit = ledger_module.MAX_DISTINCT_RUNS if max_groups is None else max_groups
+    (:func:`_fewest_groups`). Groups are formed by what they cost at the Renyi order that
+    decides epsilon (:func:`_deciding_order`)."""
+    limit = _limit(max_groups)
     runs = tuple(subsampled)
-    many = not lower and len({run[:2] for run in runs}) > limit
-    fewest, mixture = _fewest_groups(runs, limit, delta) if many and max_groups is None else (limit, None)
-    steps = coarsen_runs(runs, fewest, optimistic=lower)
+    pairs = len({run[:2] for run in runs})
+    order = _deciding_order(runs, delta) if pairs > limit else 2
+    many = not lower and pairs > limit
+    fewest, mixture = _fewest_groups(runs, limit, delta, order) if many and max_groups is None else (limit, None)
+    steps = coarsen_runs(runs, fewest, optimistic=lower, order=order)
     if many and mixture is None:
-        mixture = _mixture(runs, fewest, steps)
+        mixture = _mixture(runs, fewest, steps, order)
     if mixture is None and fewest < limit:  # the counts moved since the choice was cached
-        steps = coarsen_runs(runs, limit)
-        mixture = _mixture(runs, limit, steps)
+        steps = coarsen_runs(runs, limit, order=order)
+        mixture = _mixture(runs, limit, steps, order)
     if mixture is None:
         return steps + [(1.0 / mu, 1.0, 1)] if mu > 0 else steps, None
     if mu > 0:
@@ -508,12 +510,18 @@ def _grouped(subsampled: list, max_groups: int | None, mu: float, lower: bool,
     return [group.corner for group in mixture], mixture
 
 
-def _mixture(runs: tuple, limit: int, corners: list) -> tuple | None:
-    """The mixture groups of ``runs`` within ``limit`` transforms, or None where their
-    corners (``corners``, :func:`coarsen_runs` at that limit) cost less."""
-    mixture = mixture_groups(member_groups(runs, limit, False)[1], limit)  # coarsen_runs' groups, cached
+def _limit(max_groups: int | None) -> int:
+    """The group limit: ``max_groups``, or :data:`~dpoptim.accounting.ledger.MAX_DISTINCT_RUNS`."""
+    return ledger_module.MAX_DISTINCT_RUNS if max_groups is None else max_groups
+
+
+def _mixture(runs: tuple, limit: int, corners: list, order: int) -> tuple | None:
+    """The mixture groups of ``runs`` within ``limit`` transforms, formed by what they cost
+    at the Renyi ``order``, or None where their corners (``corners``, :func:`coarsen_runs`
+    at that limit) cost less."""
+    mixture = mixture_groups(member_groups(runs, limit, False, order)[1], limit, order)  # coarsen_runs' groups, cached
     anchors = len({anchor for group in mixture for anchor in group.anchors})
-    if anchors > limit or not better_than_corners(mixture, corners):  # a limit below 4 fits no box
+    if anchors > limit or not better_than_corners(mixture, corners, order):  # a limit below 4 fits no box
         return None
     return mixture
 
@@ -529,7 +537,7 @@ _FEWER_GROUPS_SHARE = 2.0**-10
 _RELEVANT_ORDERS = 2.0
 
 
-def _fewest_groups(runs: tuple, limit: int, delta: float) -> tuple[int, tuple | None]:
+def _fewest_groups(runs: tuple, limit: int, delta: float, order: int) -> tuple[int, tuple | None]:
     """``(groups, mixture)``: the first of :data:`_FEWER_GROUPS` (below ``limit``) whose
     mixture costs next to nothing more than the one on ``limit`` groups, else
     ``limit``; and that mixture where it was computed here (None where the choice was
@@ -554,19 +562,19 @@ def _fewest_groups(runs: tuple, limit: int, delta: float) -> tuple[int, tuple | 
     prediction only steers the time. The choice is kept by the groups ``limit`` would
     form and ``delta``, so a ledger grown by a step re-uses it (and the transforms of
     its groups)."""
-    members = member_groups(runs, limit, False)[1]
-    key = (tuple((group[0][:2], group[-1][:2]) for group in members), limit, delta)
+    members = member_groups(runs, limit, False, order)[1]
+    key = (tuple((group[0][:2], group[-1][:2]) for group in members), limit, delta, order)
     with _prefix_lock:
         found = _fewest_cache.pop(key, None)
     mixture = None
     if found is None:
-        found, mixture = _fewest_of(runs, limit, delta)
+        found, mixture = _fewest_of(runs, limit, delta, order)
     return _kept(_fewest_cache, key, found, _FEWEST_CACHE_ENTRIES), mixture
 
 
-def _fewest_of(runs: tuple, limit: int, delta: float) -> tuple[int, tuple | None]:
+def _fewest_of(runs: tuple, limit: int, delta: float, order: int) -> tuple[int, tuple | None]:
     """:func:`_fewest_groups`, computed."""
-    chosen = limit, _mixture(runs, limit, coarsen_runs(runs, limit))
+    chosen = limit, _mixture(runs, limit, coarsen_runs(runs, limit, order=order), order)
     if chosen[1] is None or max(run[1] for run in runs) > _FEWER_GROUPS_RATE:
         return chosen
     curve = mixture_rdp(chosen[1], _WINDOW_ORDERS, _window_rdp)
@@ -575,7 +583,7 @@ def _fewest_of(runs: tuple, limit: int, delta: float) -> tuple[int, tuple | None
     if not 0.0 < epsilons.min() < math.inf or relevant[0]:
         return chosen
     for fewest in (count for count in _FEWER_GROUPS if count < limit):
-        fewer = _mixture(runs, fewest, coarsen_runs(runs, fewest))
+        fewer = _mixture(runs, fewest, coarsen_runs(runs, fewest, order=order), order)
         if fewer is not None and np.all(mixture_rdp(fewer, _WINDOW_ORDERS, _window_rdp)[relevant]
                                         <= curve[relevant] * (1.0 + _FEWER_GROUPS_SHARE)):
             return fewest, fewer
@@ -588,7 +596,7 @@ _fewest_cache: dict = {}
 
 
 def _ungrouped_split(subsampled: list, deltas: dict, shift: float, tried: bool, corners: list,
-                     alone: bool = True) -> tuple[dict | None, tuple[float, dict]]:
+                     max_groups: int | None = None) -> tuple[dict | None, tuple[float, dict]]:
     """Each direction's epsilon by the split of :mod:`.rare` of a ledger's own pairs (more
     than the group limit), or of more pairs than :data:`_UNGROUPED_SPLIT_PAIRS` grouped
     into that many (each group at its smallest sigma and largest q,
@@ -605,13 +613,13 @@ def _ungrouped_split(subsampled: list, deltas: dict, shift: float, tried: bool, 
     to 2^20 (6.2 s, against 2.9 s). ``bounds``: sound upper bounds ``{direction: epsilon}``
     that the caller keeps where smaller; where the split did not answer, removal's last
     answer before it stopped.
-    ``tried``: whether the split may be tried at all (mixture groups, the split allowed);
-    ``corners``: the mixture groups' corners, on which a ledger of more pairs is first
-    checked (their RDP is at hand); ``alone``: whether a grouped split's answer is the
-    answer (the default group limit). Under a limit of the caller's choice it is only
-    such a bound, as the mixture groups of that many transforms can be tighter than the
-    128 corners: 6,536 pairs of 4 steps, sigma 2.78 to 0.57 with q 5.3e-3 to 3.6e-5,
-    delta 3.1e-10, split grouped 1.0259, on 512 mixture transforms 0.8700.
+    ``tried``: whether the split may be tried at all (the split allowed, an upper bound);
+    it is, beyond the group limit (``max_groups``, as :func:`_grouped`). ``corners``: the
+    groups' corners, on which a ledger of more pairs is first checked (their RDP is at
+    hand). A grouped split's answer is the answer under the default group limit; under a
+    limit of the caller's choice it is only such a bound, as that many mixture transforms
+    can be tighter than the 128 corners: 600 pairs of 43 steps, sigma 2.78 to 0.57 with q
+    5.3e-3 to 3.6e-5, delta 3.1e-10, split grouped 0.8721, on 256 transforms 0.8522.
 
     There the mixture groups need bins far finer than the window the rare losses stretch:
     120 pairs at q 2.1e-5 took 13 s on 2^20 points, where the split of the pairs
@@ -621,19 +629,20 @@ def _ungrouped_split(subsampled: list, deltas: dict, shift: float, tried: bool, 
     lower bound 0.094894)."""
     steps = tuple(tuple(run) for run in subsampled)
     nothing: tuple = (math.inf, {})
-    if not tried:
+    if not tried or len({step[:2] for step in steps}) <= _limit(max_groups):
         return None, nothing
     delta = min(deltas.values())
     grouped = len({step[:2] for step in steps}) > _UNGROUPED_SPLIT_PAIRS
     if grouped and not (_GROUPED_SPLIT and _beyond_body(tuple(corners), _rdp_guess(tuple(corners), delta), delta)):
         return None, nothing
-    steps = tuple(coarsen_runs(subsampled, _UNGROUPED_SPLIT_PAIRS)) if grouped else steps
+    if grouped:
+        steps = tuple(coarsen_runs(subsampled, _UNGROUPED_SPLIT_PAIRS, order=_deciding_order(tuple(subsampled), delta)))
     guess = _rdp_guess(steps, delta)
     if not _beyond_body(steps, guess, delta):
         return None, nothing
     found = _split_first(steps, deltas, guess, shift=shift, points=_UNGROUPED_SPLIT_POINTS)
     if found is not None:
-        return (found, nothing) if alone or not grouped else (None, (math.inf, found))
+        return (found, nothing) if max_groups is None or not grouped else (None, (math.inf, found))
     # removal's last answer before its split stopped (its scales are cached): sound, and
     # where the next scale's window did not fit, tighter than the groups' (811 pairs of 9
     # steps at q 5.6e-4 to 2.2e-4: 0.060672 against 0.061103)
@@ -655,6 +664,17 @@ _UNGROUPED_SPLIT_POINTS = 2**17
 #: Whether a ledger of more pairs than that is split grouped into that many (tests of the
 #: mixture groups' own mechanism turn it off).
 _GROUPED_SPLIT = True
+
+
+@functools.lru_cache(maxsize=8)
+def _deciding_order(runs: tuple, delta: float) -> int:
+    """The Renyi order at which a ledger of more pairs than the group limit weighs what
+    grouping costs (:func:`~dpoptim.accounting.mixture.deciding_order`, on the groups
+    the order-2 proxy forms): where rare losses decide, order 2 spreads the groups
+    evenly along a schedule and leaves its costliest stretch coarse (6,536 pairs of 4
+    steps, sigma 2.78 to 0.57 with q 5.3e-3 to 3.6e-5, delta 3.1e-10: epsilon 1.0259,
+    0.8748 with the groups formed at order 9)."""
+    return deciding_order(member_groups(runs, ledger_module.MAX_DISTINCT_RUNS, False)[1], delta)
 
 
 def _certified_mixture(sigma: float, q: float, count: int, delta: float) -> float | None:
