@@ -27,6 +27,7 @@ from dpoptim.accounting.gaussian import (
 from dpoptim.accounting.ledger import coarsen_runs, member_groups
 from dpoptim.accounting.mixture import LEVELS as MIXTURE_LEVELS
 from dpoptim.accounting.mixture import mixture_group, mixture_groups, rate_weights, sigma_weights
+from dpoptim.accounting import mixture as mixture_module
 from dpoptim.accounting import pld as pld_module
 from dpoptim.accounting import rare, rare_lower
 from dpoptim.accounting.pld import pld_epsilon, pld_epsilon_lower_bound
@@ -819,6 +820,47 @@ def test_the_grouping_proxy_grows_as_sigma_shrinks():
         np.testing.assert_allclose(scalar, costs[::100], rtol=1e-13, atol=0.0)
 
 
+@given(sigma=st.floats(0.2, 20.0), q=st.floats(1e-6, 0.9), order=st.sampled_from([2, 3, 5, 9, 17, 40, 128, 256]))
+@settings(max_examples=40, deadline=None)
+def test_the_grouping_proxy_at_an_order_is_that_orders_renyi_moment(sigma, q, order):
+    # (order - 1) times the subsampled Gaussian's Renyi divergence, by the RDP module's
+    # own computation (certified, and independent of the proxy's binomial sum), with the
+    # scalar route (its own closed form at order 2) agreeing with the vectorised one.
+    from dpoptim.accounting.rdp import rdp_subsampled_gaussian
+    proxy = ledger_module._step_costs(np.array([sigma]), np.array([q]), order)[0]
+    expected = (order - 1) * rdp_subsampled_gaussian(sigma, q, [float(order)])[0]
+    assert proxy == pytest.approx(expected, rel=1e-9, abs=1e-15)  # (a log of a sum near 1)
+    assert ledger_module._step_cost(sigma, q, order) == pytest.approx(proxy, rel=1e-13, abs=1e-15)
+    if order == 2:  # the closed form of the default proxy
+        assert proxy == pytest.approx(math.log1p(q * q * math.expm1(1.0 / sigma**2)), rel=1e-12)
+
+
+def test_many_pairs_are_grouped_at_the_order_that_decides_and_stay_monotone_in_delta(monkeypatch):
+    # 600 pairs of 43 steps, sigma 2.78 to 0.57 while q falls from 5.3e-3 to 3.6e-5, delta
+    # 3.1e-10: grouped by the order-2 proxy, the stretch at small sigma, where rare
+    # losses decide, is left coarse (1.0364); grouped at order 7, where the groups'
+    # corners give the best RDP bound, 0.8721.
+    runs = [(2.78473 - 2.21093 * t / 599, 5.26728e-3 * (3.60303e-5 / 5.26728e-3) ** (t / 599), 43) for t in range(600)]
+    delta = 3.1101534839548447e-10
+    pld_module._pld_epsilon.cache_clear()
+    steered = pld_epsilon(runs, delta)
+    assert pld_module._deciding_order(tuple(ledger_module.Ledger(runs).runs)) == 7
+    monkeypatch.setattr(pld_module, "_deciding_order", lambda *args: 2)
+    pld_module._pld_epsilon.cache_clear()
+    assert pld_epsilon(runs, delta) > 1.1 * steered
+    monkeypatch.undo()
+    pld_module._pld_epsilon.cache_clear()
+    # One order per ledger, whatever delta: 80 pairs of 50 steps from sigma 0.8 at q 1e-3
+    # to sigma 1.2 at q 1e-2 read order 9 below delta 7.48e-4 and 7 above; on a fine
+    # sweep across that delta epsilon keeps rising as delta falls, by even steps (groups
+    # formed at each delta's own order jumped there: 0.0034 against 0.0021 either side).
+    rising = [(0.8 + 0.4 * t / 79, 1e-3 * 10 ** (t / 79), 50) for t in range(80)]
+    members = ledger_module.member_groups(tuple(ledger_module.Ledger(rising).runs), 64, False)[1]
+    assert [mixture_module.deciding_order(members, d) for d in (7.47e-4, 7.49e-4)] == [9, 7]
+    rises = np.diff([pld_epsilon(rising, d) for d in np.geomspace(7.9e-4, 7.1e-4, 7)])
+    assert rises.min() > 0 and rises.max() < 1.1 * rises.min(), rises
+
+
 def test_a_negligible_step_does_not_move_a_full_ledger(monkeypatch):
     # Before: one step at sigma = 100 on a ledger at the limit re-coarsened everything (+2%).
     monkeypatch.setattr(ledger_module, "MAX_DISTINCT_RUNS", 8)
@@ -1423,12 +1465,12 @@ def test_fewer_groups_are_refused_where_they_would_cost(monkeypatch):
     monkeypatch.setattr(pld_module, "_FEWER_GROUPS_SHARE", 1.0)
     _clear_groupings()
     assert pld_epsilon(wide, 1e-6, grid_points=2**14) > 1.004 * every[id(wide)]
-    assert pld_module._fewest_of(tuple(fast), 64, 1e-6, pld_module._deciding_order(tuple(fast), 1e-6))[0] == 64
+    assert pld_module._fewest_of(tuple(fast), 64, 1e-6, pld_module._deciding_order(tuple(fast)))[0] == 64
     monkeypatch.setattr(pld_module, "_FEWER_GROUPS_RATE", 1.0)
     _clear_groupings()
     assert pld_epsilon(fast, 1e-6, grid_points=2**14) > 1.004 * every[id(fast)]
     small = tuple((0.433 * 1.0185 ** (i / 333), 0.0988, 29940) for i in range(334))
-    assert pld_module._fewest_of(small, 64, 4.7e-8, pld_module._deciding_order(small, 4.7e-8))[0] == 64
+    assert pld_module._fewest_of(small, 64, 4.7e-8, pld_module._deciding_order(small))[0] == 64
 
 
 @settings(max_examples=10, deadline=None)

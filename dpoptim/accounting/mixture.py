@@ -279,7 +279,7 @@ def mixture_rdp(groups: tuple, orders: np.ndarray, curve) -> np.ndarray:
     coin is part of what it releases, so its :math:`e^{(\alpha - 1) D_\alpha}` is the
     weighted mean of its anchors' (Mironov 2017, Renyi differential privacy: RDP
     composes by adding). :mod:`.pld` uses it to predict what fewer groups cost, and
-    :func:`better_than_corners` at the grouping's order."""
+    :func:`better_than_corners` at order 2."""
     orders = np.asarray(orders, dtype=float)
     total = np.zeros(orders.size)
     for group in groups:
@@ -292,15 +292,15 @@ def mixture_rdp(groups: tuple, orders: np.ndarray, curve) -> np.ndarray:
     return total
 
 
-def better_than_corners(groups: tuple, corners: list, order: int = 2) -> bool:
+def better_than_corners(groups: tuple, corners: list) -> bool:
     """Whether ``groups`` cost less than ``corners`` (each of its own group's steps at its
-    smallest sigma and largest q), by the grouping's proxy at ``order``: the Renyi
-    divergence per step (a revealed-coin mixture's ``e^{(order - 1) D}`` is the weighted
-    mean of its corners'). The corners win where the pairs beyond the limit are
-    negligible steps merged for free, and on scattered ledgers, whose few mixture groups
-    span wide ranges."""
+    smallest sigma and largest q), by the grouping's default proxy: the order-2 Renyi
+    divergence per step (a revealed-coin mixture's is ``log sum_c w_c e^{D_c}``). The
+    corners win where the pairs beyond the limit are negligible steps merged for free,
+    and on scattered ledgers, whose few mixture groups span wide ranges. (At the order
+    that forms the groups, the corners won where the mixtures were tighter: 186 pairs of
+    349 steps at q 6.7e-4 to 3.6e-4, delta 1.5e-5, 0.2706 against 0.2681 at order 13.)"""
     corners = np.array(corners, dtype=float)
-    corner_cost = float(corners[:, 2] @ _step_costs(corners[:, 0], corners[:, 1], order))
-    mixed = mixture_rdp(groups, np.array([float(order)]),
-                        lambda sigma, q: _step_costs(np.array([sigma]), np.array([q]), order) / (order - 1))
-    return float(mixed[0]) * (order - 1) < corner_cost
+    corner_cost = float(corners[:, 2] @ _step_costs(corners[:, 0], corners[:, 1]))
+    order_two = mixture_rdp(groups, np.array([2.0]), lambda sigma, q: _step_costs(np.array([sigma]), np.array([q])))
+    return float(order_two[0]) < corner_cost
