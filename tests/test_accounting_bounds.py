@@ -545,14 +545,25 @@ def test_a_split_of_many_runs_reads_every_run_against_one_profile(monkeypatch):
     assert_bracketed(shared[0], rare_lower.split_lower_bound(runs, "remove", delta, shared[0]), rel=0.01)
 
 
+def _recorded_splits(monkeypatch) -> list:
+    """A list that receives every answer of ``pld._ungrouped_split`` from now on."""
+    answers = []
+    inner = pld_module._ungrouped_split
+    monkeypatch.setattr(pld_module, "_ungrouped_split", lambda *a: answers.append(inner(*a)) or answers[-1])
+    return answers
+
+
+def _falling_together() -> list:
+    """600 pairs of 43 steps, sigma 2.78 to 0.57 while q falls from 5.3e-3 to 3.6e-5."""
+    return [(2.78473 - 2.21093 * t / 599, 5.26728e-3 * (3.60303e-5 / 5.26728e-3) ** (t / 599), 43) for t in range(600)]
+
+
 def test_a_ledger_beyond_the_group_limit_is_split_on_its_own_pairs(monkeypatch):
     # 70 pairs (more than the 64 the accountant keeps apart) at tiny q, where a rare loss
     # decides epsilon: the split of the pairs themselves answers, before any mixture
     # groups, bracketed by the rigorous lower bound of the same split.
     runs = tuple((0.6 + 0.005 * i, 1e-6 * (1 + 0.01 * i), 40_000) for i in range(70))
-    answered = []
-    inner = pld_module._ungrouped_split
-    monkeypatch.setattr(pld_module, "_ungrouped_split", lambda *a: answered.append(inner(*a)) or answered[-1])
+    answered = _recorded_splits(monkeypatch)
     pld_module._pld_epsilon.cache_clear()
     upper = epsilon_of_ledger(runs, 1e-12)
     pld_module._pld_epsilon.cache_clear()
@@ -566,9 +577,8 @@ def test_where_the_split_of_the_pairs_fails_its_first_answer_sizes_the_groups_gr
     # take; its answer (sound, on the coarser grid) sizes the mixture groups' grid, which
     # is then composed once, not first on a grid the RDP guess sized and refined at once.
     runs = [(1.2 - 0.6 * i / 99, 1e-4, 1000) for i in range(100)]
-    hints, grids = [], []
-    inner, compose = pld_module._ungrouped_split, pld_module._compose_on
-    monkeypatch.setattr(pld_module, "_ungrouped_split", lambda *a: hints.append(inner(*a)) or hints[-1])
+    hints, grids = _recorded_splits(monkeypatch), []
+    compose = pld_module._compose_on
 
     def composed(steps, deltas, grid, **k):
         if "known" not in k:  # (a call given the float64 answers composes them no more)
@@ -840,7 +850,7 @@ def test_many_pairs_are_grouped_at_the_order_that_decides_and_stay_monotone_in_d
     # 3.1e-10: grouped by the order-2 proxy, the stretch at small sigma, where rare
     # losses decide, is left coarse (1.0364); grouped at order 7, where the groups'
     # corners give the best RDP bound, 0.8721.
-    runs = [(2.78473 - 2.21093 * t / 599, 5.26728e-3 * (3.60303e-5 / 5.26728e-3) ** (t / 599), 43) for t in range(600)]
+    runs = _falling_together()
     delta = 3.1101534839548447e-10
     pld_module._pld_epsilon.cache_clear()
     steered = pld_epsilon(runs, delta)
@@ -1410,9 +1420,7 @@ def test_where_the_split_of_the_pairs_stops_its_last_removal_answer_is_kept(monk
     # a sound upper bound too, and the smaller is reported.
     runs = [(2.6447 - 1.96876 * t / 94, 5.95543e-4 * (2.76699e-5 / 5.95543e-4) ** (t / 94), 628) for t in range(95)]
     delta = 1.8069847402846439e-06
-    found = []
-    inner = pld_module._ungrouped_split
-    monkeypatch.setattr(pld_module, "_ungrouped_split", lambda *a: found.append(inner(*a)) or found[-1])
+    found = _recorded_splits(monkeypatch)
     pld_module._pld_epsilon.cache_clear()
     kept = epsilon_of_ledger(runs, delta)
     early, (sizing, bounds) = found[0]
@@ -1428,11 +1436,9 @@ def test_under_a_chosen_group_limit_the_grouped_split_only_bounds_the_mixture_gr
     # split of the pairs grouped into 128 corners answers 0.8721, and under the default
     # limit that is the answer. 256 mixture transforms, asked for, are tighter still
     # (0.8522); the split's answer is then a bound each direction keeps only where smaller.
-    runs = [(2.78473 - 2.21093 * t / 599, 5.26728e-3 * (3.60303e-5 / 5.26728e-3) ** (t / 599), 43) for t in range(600)]
+    runs = _falling_together()
     delta = 3.1101534839548447e-10
-    found = []
-    inner = pld_module._ungrouped_split
-    monkeypatch.setattr(pld_module, "_ungrouped_split", lambda *a: found.append(inner(*a)) or found[-1])
+    found = _recorded_splits(monkeypatch)
     pld_module._pld_epsilon.cache_clear()
     default = pld_epsilon(runs, delta)
     split = found[-1][0]

@@ -602,7 +602,7 @@ def _ungrouped_split(subsampled: list, deltas: dict, shift: float, tried: bool, 
     into that many (each group at its smallest sigma and largest q,
     :func:`~dpoptim.accounting.ledger.coarsen_runs`, which dominates its pairs), where a rare
     loss decides epsilon (:func:`_beyond_body`) and the split answers both directions
-    without rounding deciding (:func:`_split_first`); else None (the mixture groups answer).
+    without rounding deciding (:func:`_split_first`); else None (the groups' grids answer).
     With it, ``(sizing, bounds)``. ``sizing``: a hint for the mixture groups' first grid,
     where the split of the ledger's own pairs was tried but did not answer, removal's
     answer on the split's grid sized from the RDP guess (a sound upper bound; its own
