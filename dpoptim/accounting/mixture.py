@@ -134,7 +134,7 @@ def mixture_group(members, levels: int = LEVELS, box: tuple | None = None) -> Mi
     keys, where = np.unique(v * (levels + 1) + w, return_inverse=True)
     row_counts = np.bincount(where.ravel(), weights=counts).astype(np.int64)
     v, w = (keys // (levels + 1)) / levels, (keys % (levels + 1)) / levels
-    weights = np.stack([v * w, (1 - v) * w, v * (1 - w), (1 - v) * (1 - w)], axis=1)
+    weights = _corner_weights(v, w)
     anchors = _corners((sigma_lo, sigma_hi, q_lo, q_hi))
     # An anchor no row uses, or one equal to another (a group of one sigma or one q), goes.
     kept: dict[tuple[float, float], int] = {}
@@ -177,6 +177,12 @@ def mixture_groups(members: tuple, max_transforms: int, order: int = 2) -> tuple
             break
         groups, merged, boxes = more, candidate, candidate_boxes
     return tuple(mixture_group(m, box=box) for m, box in zip(merged, boxes))
+
+
+def _corner_weights(v: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Per step, the weights of the four corners of :func:`_corners` (in its order), from
+    ``v`` on ``q_hi`` and ``w`` on ``sigma_lo``."""
+    return np.stack([v * w, (1 - v) * w, v * (1 - w), (1 - v) * (1 - w)], axis=1)
 
 
 def _corners(box: tuple) -> tuple:
@@ -246,7 +252,7 @@ def _mixture_cost(group: np.ndarray, order: int) -> float:
     sigmas, rates, counts = group[:, 0], group[:, 1], group[:, 2]
     box = (sigmas.min(), sigmas.max(), rates.min(), rates.max())
     v, w = rate_weights(rates, box[2], box[3]), sigma_weights(sigmas, box[0], box[1])
-    weights = np.stack([v * w, (1 - v) * w, v * (1 - w), (1 - v) * (1 - w)], axis=1)
+    weights = _corner_weights(v, w)
     anchors = np.array(_corners(box))
     with np.errstate(divide="ignore"):
         terms = np.log(weights) + _step_costs(anchors[:, 0], anchors[:, 1], order)

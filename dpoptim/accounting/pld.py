@@ -628,11 +628,11 @@ def _ungrouped_split(subsampled: list, deltas: dict, shift: float, tried: bool, 
     steps at q 1e-4 to 3.6e-5, delta 1.4e-11, 0.094927 (the groups: 0.099213; the rigorous
     lower bound 0.094894)."""
     steps = tuple(tuple(run) for run in subsampled)
-    nothing: tuple = (math.inf, {})
-    if not tried or len({step[:2] for step in steps}) <= _limit(max_groups):
+    pairs, nothing = len({step[:2] for step in steps}), (math.inf, {})
+    if not tried or pairs <= _limit(max_groups):
         return None, nothing
     delta = min(deltas.values())
-    grouped = len({step[:2] for step in steps}) > _UNGROUPED_SPLIT_PAIRS
+    grouped = pairs > _UNGROUPED_SPLIT_PAIRS
     if grouped and not (_GROUPED_SPLIT and _beyond_body(tuple(corners), _rdp_guess(tuple(corners), delta), delta)):
         return None, nothing
     if grouped:
