@@ -935,10 +935,12 @@ def test_the_rate_weight_is_never_below_the_exact_one(log_q, width):
 
 
 @settings(max_examples=15, deadline=None)
-@given(st.integers(0, 2**32 - 1), st.integers(2, 40), st.sampled_from(["remove", "add"]), st.booleans())
+@given(st.integers(0, 2**32 - 1), st.integers(2, 40), st.sampled_from(["remove", "add"]),
+       st.sampled_from([None, "top", "weak"]))
 def test_every_step_of_a_mixture_group_is_dominated_by_its_row(seed, size, direction, stretch):
-    # Random members in a box (their ranges, or stretched up as a chain of groups
-    # stretches it): each member's steps land in the row of its rounded-up weights
+    # Random members in a box (their ranges, or stretched as a chain of groups stretches
+    # it: its top corner up and right, or its weak corner down and right): each member's
+    # steps land in the row of its rounded-up weights
     # (recomputed here), the row's mixture of the four corners lies above the member's
     # exact profile, and no step is lost or added.
     rng = np.random.default_rng(seed)
@@ -948,8 +950,10 @@ def test_every_step_of_a_mixture_group_is_dominated_by_its_row(seed, size, direc
     members = list({(s, q): (s, q, c) for s, q, c in members}.values())
     sigmas, rates = [m[0] for m in members], [m[1] for m in members]
     s_lo, s_hi, q_lo, q_hi = min(sigmas), max(sigmas), min(rates), max(rates)
-    if stretch:
+    if stretch == "top":
         s_hi, q_hi = s_hi * 1.05, min(1.0, q_hi * 1.1)
+    elif stretch == "weak":
+        s_hi, q_lo = s_hi * 1.05, q_lo * 0.9
     group = mixture_group(members, box=(s_lo, s_hi, q_lo, q_hi))
     assert sum(group.counts) == sum(c for _, _, c in members)
     assert np.all(group.weights >= 0) and np.all(group.weights.sum(axis=1) == 1.0)
@@ -974,13 +978,15 @@ def test_every_step_of_a_mixture_group_is_dominated_by_its_row(seed, size, direc
         assert len(row) == 1 and group.counts[row[0]] == sum(c for _, _, c in steps)
 
 
-def test_a_long_schedule_in_mixture_groups_loses_little(monkeypatch):
-    # 120 runs raising sigma and q together, composed with a few transforms: the mixtures
-    # of the groups' corners stay close to composing every pair (an upper bound itself)
-    # and well below the corners alone, and above a rigorous lower bound.
-    runs = [(1.0 + 0.005 * i, 0.005 * 1.006**i, 100) for i in range(120)]
-    # The groups form a chain: each stretched to the next one's lowest corner and sharing
-    # it, so 64 distinct anchors hold more than 16 groups.
+@pytest.mark.parametrize("sigma_step", [0.005, -0.005])
+def test_a_long_schedule_in_mixture_groups_loses_little(sigma_step):
+    # 120 runs raising q with sigma rising (or falling), composed with a few transforms:
+    # the mixtures of the groups' corners stay close to composing every pair (an upper
+    # bound itself) and well below the corners alone, and above a rigorous lower bound.
+    runs = [(1.3 + sigma_step * (i - 60), 0.005 * 1.006**i, 100) for i in range(120)]
+    # The groups form a chain: each stretched to share a corner with the next one (its
+    # lowest corner where sigma rises, its strongest where it falls), so 64 distinct
+    # anchors hold more than 16 groups.
     chain = mixture_groups(member_groups(tuple(runs), 64, False)[1], 64)
     assert len({anchor for group in chain for anchor in group.anchors}) <= 64 < 4 * len(chain)
     assert all(set(a.anchors) & set(b.anchors) for a, b in zip(chain, chain[1:]))
