@@ -2728,3 +2728,17 @@ def test_a_wide_cut_whose_rounding_allowance_holds_epsilon_high_is_composed_agai
     pld_module._pld_epsilon.cache_clear()
     assert epsilon_of_ledger(runs, delta) > (1 + 3e-3) * exact
     pld_module._pld_epsilon.cache_clear()
+
+
+def test_steps_transformed_in_chunks_give_the_same_floats(monkeypatch):
+    # Many groups on a large grid are transformed and summed a chunk at a time (a lower
+    # bound of 1,024 groups on 2^21 points held 16 GB of spectra at once); a chunk of one
+    # step must give exactly what one chunk of all gives, both bounds.
+    runs = [(1.3 + 0.005 * (i - 60), 0.005 * 1.006**i, 100) for i in range(120)]
+    whole = (pld_epsilon_lower_bound(runs, DELTA, grid_points=2**14, max_groups=40),
+             pld_epsilon(runs[:40], 1e-7))
+    pld_module._pld_epsilon.cache_clear()  # (answers are cached by ledger)
+    pld_module._prefix_cache.clear()
+    monkeypatch.setattr(pld_module, "_PRODUCT_BYTES", 1)
+    assert (pld_epsilon_lower_bound(runs, DELTA, grid_points=2**14, max_groups=40),
+            pld_epsilon(runs[:40], 1e-7)) == whole
