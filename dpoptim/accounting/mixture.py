@@ -195,11 +195,12 @@ def _boxes(merged: list) -> list[tuple]:
     stretched to the next group's lowest corner where that lies above and right of it;
     else, where the next box lies above and left of it (sigma falling as q rises), the
     next box's weak corner (largest sigma, smallest q) stretched onto this box's strong
-    corner (smallest sigma, largest q). (Groups come ordered by q, then sigma.) Any box that holds its members is sound;
-    sharing a corner saves a transform. 120 runs of 100 steps, q rising from 0.005 by
-    0.6% a run while sigma falls from 1.6 by 0.005, delta 1e-5: 21 groups on 64 corners
-    instead of 16; 3,000 pairs of 10 steps, sigma 2 to 0.7 while q rises from 1e-3 to
-    1e-2, delta 1e-8: epsilon 9.3300 to 9.3156 (512 transforms: 9.2965)."""
+    corner (smallest sigma, largest q). Groups come ordered by q, then sigma. Any box that
+    holds its members is sound; sharing a corner saves a transform. 120 runs of 100
+    steps, q rising from 0.005 by 0.6% a run while sigma falls from 1.6 by 0.005, delta
+    1e-5: 21 groups on 64 corners instead of 16; 3,000 pairs of 10 steps, sigma 2 to 0.7
+    while q rises from 1e-3 to 1e-2, delta 1e-8: epsilon 9.3300 to 9.3156 (512
+    transforms: 9.2965)."""
     boxes = [(min(m[0] for m in group), max(m[0] for m in group), min(m[1] for m in group),
               max(m[1] for m in group)) for group in merged]
     for g in range(len(boxes) - 1):

@@ -264,6 +264,7 @@ _MANY_GROUPS_GRID = 2**18
 #: bound by more than this factor: grouping, not the grid, loses there.
 _GROUPING_LOSES = 1.001
 
+
 def _many_runs_lower(runs: tuple, delta: float, bound: float, max_groups: int | None) -> float:
     """The larger of ``bound`` (the dominated PLD's, for a ledger of several ``runs``) and
     the other lower bounds of such a ledger.
