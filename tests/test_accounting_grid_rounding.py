@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpoptim.accounting import pld
-from dpoptim.accounting.special import log_ndtr
+from dpoptim.accounting.special import finite_abs, log_ndtr
 
 mp = pytest.importorskip("mpmath")
 
@@ -209,6 +209,20 @@ def test_log_ndtr_is_within_the_bound_the_grid_assumes():
         for x in xs:
             exact = mp.log(mp.ncdf(float(x)))
             assert abs(mp.mpf(float(log_ndtr(float(x)))) - exact) <= 8 * unit * (1 + abs(exact))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([math.inf, -math.inf])),
+                max_size=40), st.sampled_from([np.float64, np.longdouble, np.float32]))
+def test_finite_abs_is_the_size_of_every_finite_term_and_zero_elsewhere(values, dtype):
+    """Round-off bounds count an infinite (exact) term as 0: nan and both infinities."""
+    with np.errstate(over="ignore"):  # large doubles become infinite float32s: terms like any other
+        x = np.array(values, dtype=dtype)
+    out = finite_abs(x)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    for value, size in zip(x, out):
+        assert size == (abs(value) if np.isfinite(value) else 0.0)
+    assert finite_abs(-math.inf) == 0.0 and finite_abs(math.nan) == 0.0 and finite_abs(-2.5) == 2.5
 
 
 def test_a_window_top_from_the_rdp_curves_is_checked_on_the_grid_distributions():

@@ -25,7 +25,9 @@ def finite_abs(x):
     bound, where an infinite term is exact (a scalar or an array)."""
     if not isinstance(x, np.ndarray) or x.ndim == 0:
         return abs(float(x)) if math.isfinite(x) else 0.0
-    return np.where(np.isfinite(x), np.abs(x), 0.0)
+    out = np.abs(x)
+    np.putmask(out, ~(out < np.inf), 0.0)  # one mask for both: nan compares False too
+    return out
 
 
 def log_ndtr(x):
