@@ -2090,6 +2090,56 @@ def test_the_models_drifting_ratio_to_the_accountant_is_followed(monkeypatch):
     assert model.drifting(known, (0.74, 0.776)) is None  # outside the bracket: left to the search
 
 
+def test_the_model_tries_the_split_only_where_it_answers_at_the_anchor(monkeypatch):
+    # q 1.48e-6, 2,898 steps, delta 1.6e-3: beyond the body of the loss, but the split
+    # fails there; tried at every point, it tripled each model evaluation's time.
+    q, steps, delta, anchor, guess = 1.48e-6, 2898, 1.6e-3, 0.2721046777, 4.805e-4
+    calls = []
+    real = pld_module._split_first
+    monkeypatch.setattr(pld_module, "_split_first", lambda *args, **kwargs: calls.append(args) or real(*args, **kwargs))
+    pld_module._model_splits.cache_clear()
+    pld_module.model_epsilon.cache_clear()
+    values = [pld_module.model_epsilon(sigma, q, steps, delta, anchor, guess) for sigma in (0.2690, 0.2680, 0.2670)]
+    assert len(calls) == 1 and calls[0][0][0][0] == anchor  # once, at the anchor, where it fails
+    assert 0 < values[0] < values[1] < values[2]
+    # Where it answers at the anchor (tiny q over many steps, one rare loss deciding) it
+    # is tried at every point, as the accountant does.
+    calls.clear()
+    q, steps, delta, anchor = 1e-6, 10**6, 1e-12, 0.62
+    guess = pld_module.coarse_epsilon([(anchor, q, steps)], delta, 2**14)
+    pld_module.model_epsilon(0.61, q, steps, delta, anchor, guess)
+    assert pld_module._model_splits(anchor, q, steps, delta, guess) and len(calls) == 2
+    pld_module._model_splits.cache_clear()
+
+
+def test_a_steering_search_out_of_evaluations_starts_from_its_point_nearest_the_target():
+    # Near the sigma where epsilon reaches 0 (q 8.9e-6, 3,399 steps, delta 0.019) the
+    # coarse PLD's search ran out of evaluations with 8.90e-4 (0.44% above the target of
+    # 8.86e-4) at sigma 0.2198 and 0 at 0.2223, and returned the zero: the model had
+    # nothing to scale, and the accountant bisected down from there ten times.
+    zero_at = 0.2223
+    eps_of = lambda sigma: max(0.0, 0.36 * (zero_at - sigma))  # noqa: E731 (linear near its zero)
+    target = eps_of(0.2198) / 1.0044
+    sigma = calibrate_module._solve(eps_of, target, 0.93, max_evaluations=12, tolerance=0.02)
+    assert eps_of(sigma) > 0 and abs(math.log(eps_of(sigma) / target)) <= 0.02
+    # Nothing within the tolerance: the smallest feasible sigma, as before.
+    known = {0.3: 0.0, 0.25: 0.0, 0.2: 1.0}
+    assert calibrate_module._nearest(known, 0.5, 0.02) == 0.25
+    assert calibrate_module._nearest({0.2: 1.0}, 0.5, 0.02) == 0.2
+
+
+def test_near_zero_a_calibration_takes_few_evaluations(monkeypatch):
+    # The case above, end to end: three evaluations of the accountant (ten before).
+    evaluated = []
+    real = calibrate_module.epsilon_of_ledger
+    monkeypatch.setattr(calibrate_module, "epsilon_of_ledger",
+                        lambda runs, delta, name="pld": evaluated.append(name) or real(runs, delta, name))
+    target, delta, q, steps = 8.857e-4, 0.0191, 8.9027e-6, 3399
+    sigma = calibrate_noise(target, delta, q, steps)
+    assert target * 0.998 <= epsilon(sigma, q, steps, delta) <= target
+    assert evaluated.count("pld") <= 5, evaluated.count("pld")
+
+
 def test_a_target_beyond_the_largest_sigma_is_refused_by_name():
     # The central limit theorem puts a target of 1e-300 (delta 1e-300) at sigma 1.6e9. The
     # accountant's secant steps from there overflowed (OverflowError, from exp of a

@@ -844,6 +844,7 @@ def steering_epsilon(base, sigma: float, q: float, count: int, delta: float, gri
         return None
 
 
+@functools.lru_cache(maxsize=32)
 def model_epsilon(sigma: float, q: float, count: int, delta: float, anchor: float, guess: float) -> float | None:
     """A quick PLD epsilon of ``count`` steps at ``(sigma, q)``, to steer a calibration.
 
@@ -862,20 +863,33 @@ def model_epsilon(sigma: float, q: float, count: int, delta: float, anchor: floa
     epsilon over many steps, so the model jumped where rounding started to decide (q
     2e-5, 8.3*10^7 steps, delta 1.6e-12: 3.145 at sigma 0.7484, 2.738 at 0.7491, where
     the accountant moves smoothly from 2.744 to 2.738), and its secant steps with it.
+    The split is tried only where it answers at the anchor (:func:`_model_splits`): where
+    it fails there it fails nearby too, and trying it at every point tripled each
+    evaluation's time (q 1.48e-6, 2,898 steps, delta 1.6e-3: 0.25 s against 0.09 s).
+    Answers are cached: a calibration asks the same points again when it measures the
+    model's drift against the accountant.
     """
     if not (0.0 < sigma < math.inf and 0.0 < anchor < math.inf and 0.0 < q < 1.0 and count > 0):
         return None
     try:
         deltas = {_REMOVE: delta, _ADD: delta}
         steps = ((sigma, q, count),)
-        if _beyond_body(steps, _rdp_guess(steps, delta), delta):  # as the accountant: the split, sized by ``guess``
-            early = _split_first(steps, deltas, guess, again=False)
+        if _beyond_body(steps, _rdp_guess(steps, delta), delta) and _model_splits(anchor, q, count, delta, guess):
+            early = _split_first(steps, deltas, guess, again=False)  # as the accountant, sized by ``guess``
             if early is not None:
                 return max(early.values())
         grid = _model_grid(anchor, q, count, delta, guess)
         return _shifted_max(_compose_on(steps, deltas, grid, rare_split=False, settle_first=True), 0.0)
     except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
         return None
+
+
+@functools.lru_cache(maxsize=8)
+def _model_splits(anchor: float, q: float, count: int, delta: float, guess: float) -> bool:
+    """Whether :func:`model_epsilon` tries the split: where it answers at the ``anchor``."""
+    steps = ((anchor, q, count),)
+    return (_beyond_body(steps, _rdp_guess(steps, delta), delta)
+            and _split_first(steps, {_REMOVE: delta, _ADD: delta}, guess, again=False) is not None)
 
 
 #: Largest grid of :func:`model_epsilon`: a quarter of the accountant's largest; where the
