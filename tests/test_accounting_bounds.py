@@ -2140,6 +2140,25 @@ def test_near_zero_a_calibration_takes_few_evaluations(monkeypatch):
     assert evaluated.count("pld") <= 5, evaluated.count("pld")
 
 
+@pytest.mark.parametrize("coarse, reach", [(0.0519, "_MODEL_FAR_REACH"), (0.0335, "_MODEL_REACH")])
+def test_the_models_own_answer_is_trusted_further_where_the_coarse_pld_is_off_it(monkeypatch, coarse, reach):
+    # q 1.13e-6 over 7.8*10^7 steps, delta 6.4e-7: the coarse PLD gave 0.0519 at its answer
+    # (sigma 1.32), the model 0.0328 (the accountant 0.0328 too). The model's own answer,
+    # 0.31 below in log sigma, was set aside for the coarse one, and the accountant spent
+    # an evaluation there. Where the two agree, the short reach stands.
+    curve = lambda sigma: 0.0328 * (sigma / 1.32) ** -1.2  # noqa: E731 (0.0519 near sigma 0.90)
+    monkeypatch.setattr(calibrate_module, "model_epsilon", lambda sigma, *args: curve(sigma))
+    model = calibrate_module._Model(1.32, coarse, 0.0519, 1.13e-6, 78_073_961, 6.4e-7)
+    assert calibrate_module._reach(model) == getattr(calibrate_module, reach)
+    evaluated = []
+    calibrate_module._modelled_start(lambda sigma: evaluated.append(sigma) or curve(sigma), 1.32,
+                                     (0.0519 * 0.998, 0.0519), model)
+    if reach == "_MODEL_FAR_REACH":  # the accountant first at the model's own answer
+        assert evaluated[0] == pytest.approx(0.90, rel=0.01)
+    else:  # at the coarse answer
+        assert evaluated[0] == 1.32
+
+
 def test_a_target_beyond_the_largest_sigma_is_refused_by_name():
     # The central limit theorem puts a target of 1e-300 (delta 1e-300) at sigma 1.6e9. The
     # accountant's secant steps from there overflowed (OverflowError, from exp of a
