@@ -1892,6 +1892,28 @@ def test_calibration_stops_at_a_jump_over_the_band():
     assert len(evaluated) <= 12
 
 
+def test_a_bracket_narrower_than_the_resolution_is_tried_once_more_inside():
+    # q 0.091, 181,195 steps, delta 0.061, target 1.477e-3 (sigma 251, where epsilon nears
+    # 0): the accountant fell from +0.46% to -0.53% of the target across 1.1e-4 of log
+    # sigma, a steep slope rather than a jump, and the search took the bracket for a jump
+    # and returned its feasible end, 0.53% below the target. One interpolated point more
+    # lands in the band; a true jump (above) still ends within 2e-4 of it.
+    evaluated = {}
+    answer, target = 251.4, 1.477e-3
+
+    def eps_of(sigma):
+        evaluated[sigma] = target * (1.0 - 0.001) * (sigma / answer) ** -88.0
+        return evaluated[sigma]
+
+    low, high = answer * math.exp(-6e-5), answer * math.exp(5e-5)
+    for sigma in (low, high):
+        eps_of(sigma)
+    floor = target * (1.0 - calibrate_module._CALIBRATION_TOLERANCE)
+    sigma = calibrate_module._illinois(eps_of, target, floor, low, high, resolution=calibrate_module._JUMP_RESOLUTION)
+    assert sigma in evaluated and floor <= evaluated[sigma] <= target
+    assert len(evaluated) == 3
+
+
 def test_calibration_brackets_with_an_epsilon_of_zero(monkeypatch):
     # q = 1e-6 over 10^6 steps at delta 0.1: epsilon falls to 0 at a finite sigma (q T
     # against delta). A second point with epsilon 0 used to end the secant steps and the
