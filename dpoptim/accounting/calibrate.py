@@ -666,21 +666,18 @@ def _illinois(f, target: float, floor: float, low: float, high: float, earlier=(
               resolution: float = 1e-12, near_zero: bool = False) -> float:
     """Illinois regula falsi on a decreasing g(x) that is 0 in the middle of the accepted
     band, x = log sigma, from the bracket ``low`` (infeasible) .. ``high`` (feasible), so
-    that a hit lands inside the band; returns a feasible evaluated sigma. Once three
-    points are known, the step is inverse quadratic interpolation through the last three
-    where it falls inside the bracket (as in Brent's method): epsilon curves in log-log,
-    and regula falsi alone then creeps in from one side (:func:`_bracket_step`).
+    that a hit lands inside the band; returns a feasible evaluated sigma. From three
+    points on, the step is inverse quadratic through the last three where it falls inside
+    (as in Brent's method): regula falsi alone creeps in from one side (:func:`_bracket_step`).
 
     g is log epsilon - log aim, except near the sigma where epsilon reaches 0
     (:func:`_near_zero`), where g is epsilon / aim - 1: epsilon is near linear there, its
     logarithm not. ``resolution``: the search ends with the feasible end once the bracket
-    is this narrow in log sigma, after one more interpolated point (a slope that steep
-    need not be a jump: at q 0.091, 181,195 steps, delta 0.061, epsilon fell by 1% across
-    1.1e-4 of log sigma near where it reaches 0, and the band lay inside); near zero, where a tiny step in sigma moves epsilon a
-    lot, this divided by half the least slope of g seen across the bracket. ``near_zero``:
-    the caller knows the bracket lies there (a bracket narrower than :func:`_near_zero`'s
-    baseline cannot show it: 1.4e-5 in log sigma where epsilon moved by 1.2% across it,
-    at q 2.1e-5 over 1.9e7 steps, delta 0.04, target 1.49e-4)."""
+    is this narrow in log sigma, after one more interpolated point (a steep slope, not a
+    jump, may hold the band); near zero, where a tiny step in sigma moves epsilon a lot,
+    this divided by half the least slope of g seen across the bracket. ``near_zero``:
+    the caller knows the bracket lies there (one narrower than :func:`_near_zero`'s
+    baseline cannot show it: 1.4e-5 in log sigma at q 2.1e-5, 1.9e7 steps, delta 0.04)."""
     aim = target * (1.0 - _CALIBRATION_TOLERANCE / 2)
     linear = [False]
 
@@ -702,10 +699,10 @@ def _illinois(f, target: float, floor: float, low: float, high: float, earlier=(
             g_low, g_high, side = g(ends[0]), g(ends[1]), 0  # no Illinois halving carried over
         if linear[0]:  # epsilon's slope here, per unit of log sigma: the smallest seen
             slope = min(slope, (g(ends[0]) - g(ends[1])) / (x_high - x_low))
-        if x_high - x_low < resolution / max(1.0, slope / 2.0 if linear[0] else 1.0):
-            if last_try:
-                break
-            last_try = True  # once more, interpolated: a steep slope, not a jump, may have the band inside
+        narrow = x_high - x_low < resolution / max(1.0, slope / 2.0 if linear[0] else 1.0)
+        if narrow and last_try:
+            break
+        last_try = last_try or narrow  # once more (q 0.091, delta 0.061: 1% over 1.1e-4, the band inside)
         # Near zero, points at epsilon 0 say only that sigma_0 lies below them.
         usable = [sigma for sigma in history if not linear[0] or 0 < f(sigma) < math.inf]
         x = _bracket_step([(math.log(sigma), g(sigma)) for sigma in usable[-3:]], (x_low, g_low), (x_high, g_high),
