@@ -2181,6 +2181,28 @@ def test_the_models_own_answer_is_trusted_further_where_the_coarse_pld_is_off_it
         assert evaluated[0] == 1.32
 
 
+@pytest.mark.parametrize("at_64, asks_8", [(0.107, True), (0.2, False)])
+def test_addition_is_sized_for_8_times_removals_answer_where_64_times_came_near(monkeypatch, at_64, asks_8):
+    # 1,134 pairs of 3 steps at q 3.9e-4 to 6.8e-5, delta 1.6e-7: addition sized for 64
+    # times removal's answer (0.0587) gave 0.107, for 8 times 0.0475 (0.3 s), and for
+    # removal's answer 0.042 (1.9 s); only the larger direction is reported. Where 64
+    # times gives several times removal's, 8 times rarely settles it and is skipped.
+    removal = 0.0587
+    answers = {64: at_64, 8: 0.0475, 1: 0.042}
+    asked = []
+
+    def split(steps, direction, delta, guess, again=True, points=0, whole=False, strict=False, **kwargs):
+        if direction == pld_module._REMOVE:
+            return removal, False
+        asked.append(round(guess / removal))
+        return answers[round(guess / removal)], False
+
+    monkeypatch.setattr(rare, "split_epsilon", split)
+    found = pld_module._split_first(((1.0, 1e-4, 3),), {pld_module._REMOVE: 1e-7, pld_module._ADD: 1e-7}, 1.0)
+    assert found == {pld_module._REMOVE: removal, pld_module._ADD: 0.0475 if asks_8 else 0.042}
+    assert asked == ([64, 8] if asks_8 else [64, 1])
+
+
 def test_a_target_beyond_the_largest_sigma_is_refused_by_name():
     # The central limit theorem puts a target of 1e-300 (delta 1e-300) at sigma 1.6e9. The
     # accountant's secant steps from there overflowed (OverflowError, from exp of a
