@@ -402,7 +402,7 @@ def _tail_terms(steps: tuple, direction: str, bulks: list, ends: tuple, grid: tu
         reach = float(profile.losses[-1] - profile.losses[0]) + 2.0 * scale
         start = 2.0 * scale - float(profile.losses[0])
         losses, masses, p_inf = _tails(sigma, q, direction, h, (bottoms[r], lows[r], highs[r], tops[r]), step,
-                                       (reach, start))
+                                       (reach, start), grid[4] * _TAIL_POINTS)
         readers.append(_Tail(count / share, masses, losses, profile, others, shift))
         weight += count * float(masses.sum())
         log_finite += count * math.log1p(-p_inf)
@@ -487,7 +487,7 @@ def _bulk(sigma, q, direction, h, low: int, high: int, below: bool, above: bool,
     return masses[int(below): masses.size - int(above)]
 
 
-def _tails(sigma, q, direction, h, grid: tuple, step: float, reach: tuple) -> tuple:
+def _tails(sigma, q, direction, h, grid: tuple, step: float, reach: tuple, most: float = math.inf) -> tuple:
     """``(losses, masses, p_inf)``: one step's tails below grid point ``low`` and above
     ``high`` (``grid = (bottom, low, high, top)``, the step's own ends ``bottom`` and
     ``top``), on points ``step`` apart near the bulk, then farther apart
@@ -497,12 +497,12 @@ def _tails(sigma, q, direction, h, grid: tuple, step: float, reach: tuple) -> tu
     bottom, low, high, top = grid
     losses, masses, p_inf = [], [], 0.0
     if low > bottom:
-        points = low * h - _tail_points(0.0, step, reach[0], (low - bottom) * h)[::-1]
+        points = low * h - _tail_points(0.0, step, reach[0], (low - bottom) * h, most)[::-1]
         part, _ = _pld._dots(sigma, q, direction, points, closed=True)
         losses.append(points[:-1])
         masses.append(part[:-1])
     if high < top:
-        points = _tail_points(high * h, step, max(reach[1], high * h + step), top * h)
+        points = _tail_points(high * h, step, max(reach[1], high * h + step), top * h, most)
         part, p_inf = _pld._dots(sigma, q, direction, points)
         losses.append(points[1:])
         masses.append(part[1:])
@@ -528,17 +528,36 @@ def _whole(steps: tuple, direction: str, delta: float, h: float, bottoms: tuple,
     return _invert(alone, [], -math.expm1(log_finite) * (1.0 + 1e-12), delta)
 
 
-def _tail_points(a: float, step: float, start: float, top: float) -> np.ndarray:
+#: A tail's points near the bulk (:func:`_tail_points`) number at most this share of the
+#: split's window: at a quarter, the tails' bounds and readings cost no more than the
+#: bulk's composition.
+_TAIL_POINTS = 0.25
+
+
+def _tail_points(a: float, step: float, start: float, top: float, most: float = math.inf) -> np.ndarray:
     """A tail's grid: ``a``, then points ``step`` apart up to ``start``, then gaps growing by
     a 2^-11 share of the distance beyond ``start``, up to ``top``. Above ``start`` a tail
     loss ``d`` beyond where it could matter (epsilon less the bulk's lowest loss) costs at
-    most its gap times :math:`e^{-d}`: a 2^-11 share at most."""
-    fine = a + step * np.arange(0.0, max(math.ceil((min(start, top) - a) / step), 1) + 1)
+    most its gap times :math:`e^{-d}`: a 2^-11 share at most.
+
+    Where more than ``most`` points ``step`` apart would reach ``start``, the gaps after
+    the first (the bulk's, :func:`_bulk`) are the smallest power-of-two multiple of
+    ``step`` that reaches it in at most ``most``, and the far gaps grow from that.
+    Connect-the-dots on any increasing points dominates the step (Doroshenko et al. 2022,
+    :func:`~dpoptim.accounting.pld._thinned_points`): only tightness depends on them.
+    Where the profile a lower tail is read against is wide (addition at tiny q and a
+    large delta: sigma 0.476, q 4.6e-6, 6.2*10^6 steps, delta 0.04), bins of 2^-12 of
+    epsilon across it took 8.4*10^6 points, and an evaluation 15 to 115 s."""
+    wide, span = step, min(start, top) - a
+    while wide < span and math.ceil((span - step) / wide) + 1 > most:
+        wide *= 2.0
+    count = max(math.ceil((span - step) / wide), 0)
+    fine = a + np.concatenate([[0.0], step + wide * np.arange(0.0, count + 1)])
     if fine[-1] >= top:
         return np.append(fine[fine < top], top)
     ratio = 1.0 + 2.0**-11
-    count = math.ceil(math.log1p((top - fine[-1]) / step * (ratio - 1.0)) / math.log(ratio))
-    far = fine[-1] + step * np.expm1(np.arange(1, count + 1) * math.log(ratio)) / (ratio - 1.0)
+    count = math.ceil(math.log1p((top - fine[-1]) / wide * (ratio - 1.0)) / math.log(ratio))
+    far = fine[-1] + wide * np.expm1(np.arange(1, count + 1) * math.log(ratio)) / (ratio - 1.0)
     return np.concatenate([fine, far[far < top], [top]])
 
 
