@@ -490,6 +490,83 @@ def test_one_step_split_against_the_exact_profile(sigma, q):
         assert lower == 0.0 or one_step_profile(sigma, q, direction, lower) >= delta * (1 - 1e-6)
 
 
+@settings(max_examples=40, deadline=None)
+@given(a=st.floats(-3.0, 3.0), log_step=st.integers(-24, -8), start=st.floats(0.0, 2.0), top=st.floats(1e-3, 4.0),
+       most=st.one_of(st.integers(2, 5000), st.just(math.inf)))
+def test_a_tails_points_keep_the_bulks_gap_and_at_most_most_near_it(a, log_step, start, top, most):
+    # The first gap is the bulk's own (its last bin is shared with the tail); up to `start`
+    # the gaps are one power-of-two multiple of `step`, `step` itself where `most` allows,
+    # and no more than about `most` points lie there.
+    step = 2.0**log_step
+    start, top = a + start, a + top
+    assume((min(start, top) - a) / step < 2e6)
+    points = rare._tail_points(a, step, start, top, most)
+    gaps = np.diff(points)
+    assert points[0] == a and points[-1] == top and np.all(gaps > 0)
+    ulp = 8.0 * np.spacing(abs(a) + 4.0)
+    if top > a + step:
+        assert abs(gaps[0] - step) <= ulp
+    inside = gaps[1:][(points[2:] <= min(start, top)) & (points[2:] < top)]  # (the last gap may stop at top)
+    if inside.size:
+        wide = inside[0]
+        ratio = 2.0 ** round(math.log2(wide / step))
+        assert np.all(np.abs(inside - ratio * step) <= ulp)
+        assert ratio == 1.0 or (min(start, top) - a) / step > most  # coarser only where `most` asks
+    assert np.count_nonzero(points < min(start, top)) <= (most if math.isfinite(most) else points.size) + 2
+
+
+@pytest.mark.parametrize("direction", ["remove", "add"])
+def test_a_one_step_split_on_capped_tail_points_stays_sound_and_close(monkeypatch, direction):
+    # Tail points a power of two apart, coarser where their cap asks: any increasing points
+    # bound the step (connect-the-dots), and they barely move the answer.
+    sigma, q, delta = 0.7, 1e-4, 1e-10
+    rare._split_epsilon.cache_clear()
+    fine = rare.split_epsilon(((sigma, q, 1),), direction, delta, 1.0)
+    sizes = []
+    points = rare._tail_points
+    monkeypatch.setattr(rare, "_tail_points", lambda *a: sizes.append(a[-1]) or points(*a))
+    monkeypatch.setattr(rare, "_TAIL_POINTS", 2.0**-14)  # 128 points on the split's 2^21: 64 times the step
+    rare._split_epsilon.cache_clear()
+    capped = rare.split_epsilon(((sigma, q, 1),), direction, delta, 1.0)
+    rare._split_epsilon.cache_clear()
+    assert sizes and max(sizes) == 128  # the cap was asked for
+    assert capped is not None and fine is not None
+    assert one_step_profile(sigma, q, direction, capped[0]) <= delta * (1 + 1e-6)
+    assert capped[0] == pytest.approx(fine[0], rel=5e-3)
+
+
+def test_tails_stay_within_a_quarter_of_the_grid_where_the_profile_is_wide(monkeypatch):
+    # Addition at tiny q and a large delta, epsilon near 0 (sigma 0.4773, q 4.6e-6, 6.2*10^6
+    # steps, delta 0.04): the lower tail was read across a profile of width 2 at bins of
+    # 2^-12 of epsilon, 3.4*10^7 points and 15 to 115 s an evaluation. Capped at a quarter
+    # of the split's grid (the value moved by under 1e-6 of itself, measured), a second.
+    runs, delta = ((0.4773083636783133, 4.625633833575676e-06, 6168826),), 0.04025671959062402
+    built, grids = [], []
+    terms, points = rare._tail_terms, rare._tail_points
+
+    def record(*args):
+        found = points(*args)
+        built.append(found.size)
+        return found
+
+    monkeypatch.setattr(rare, "_tail_terms", lambda *a: grids.append(a[4][4]) or terms(*a))
+    monkeypatch.setattr(rare, "_tail_points", record)
+    upper = epsilon_of_ledger(runs, delta)
+    assert built and max(built) <= max(grids) // 4 + 2**14  # (the far part: a few thousand)
+    assert 0.0 < upper <= epsilon_of_ledger(runs, delta, "rdp")
+
+
+def test_the_spread_lower_bound_gives_up_on_a_bulk_too_wide_before_building_it():
+    # Epsilon near 0 at a large delta (sigma 0.4773, q 4.6e-6, 6.2*10^6 steps, delta 0.04):
+    # the finest bins asked the dominated bulk for 5.8*10^9 points (a MemoryError); too
+    # wide for the window, coarser bins are tried instead, and the bound lies below the
+    # accountant's.
+    runs, delta = ((0.4773083636783133, 4.625633833575676e-06, 6168826),), 0.04025671959062402
+    upper = epsilon_of_ledger(runs, delta)
+    lower = rare_lower.spread_lower_bound(runs, "remove", delta, upper)
+    assert 0.0 < lower <= upper
+
+
 def test_the_split_of_a_ledger_of_two_runs_is_bracketed():
     # Each run's tail is read against the bulks of all the other steps.
     runs = ((0.6, 1e-6, 400_000), (0.65, 2e-6, 600_000))
