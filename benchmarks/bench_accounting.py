@@ -91,6 +91,8 @@ def _ledgers():
         ("10^4 runs of 1000 steps (sigma 1.25 -> 1, q 0.055 -> 0.37), delta 2.9e-10 (the mixtures' RDP answers)",
          rate_schedule_ledger(10_000, 1000, (1.2467, 0.99642), (0.055327, 0.37285)), 2.852e-10, None),
         ("sigma 0.661, q 1e-6, 10^8 steps, delta 1e-12 (one rare loss decides)", [(0.661, 1e-6, 10**8)], 1e-12, None),
+        ("sigma 0.4773, q 4.6e-6, 6.2x10^6 steps, delta 0.04 (epsilon near 0: the tails of a wide profile)",
+         [(0.47731, 4.6256e-6, 6_168_826)], 0.040257, None),
         ("T = 10^7 (sigma 1, q 1e-3)", [(1.0, 1e-3, 10**7)], 1e-5, None),
         ("T = 5x10^6 (sigma 1, q 1e-3)", [(1.0, 1e-3, 5 * 10**6)], 1e-5, None),
         ("sigma 4.4, q 0.033, 10^8 steps, delta 4.2e-8 (one grid: +1.5%)", [(4.40371, 0.0332264, 10**8)],
@@ -311,6 +313,7 @@ def main(argv=None) -> int:
                                     (1.602e-4, 1.39e-8, 8.13e-5, 88_936_800),
                                     (1e-4, 1e-5, 1e-6, 30),  # tiny q, few steps: addition settled coarse
                                     (8.857e-4, 0.0191, 8.9027e-6, 3399),  # near where epsilon reaches 0
+                                    (2.7272e-4, 0.040257, 4.6256e-6, 6_168_826),  # ... with wide tails
                                     (2.96, 1.6e-12, 2e-5, 83_000_000)):  # a rare loss over 10^8 steps: two scales
         if args.only and args.only not in "calibrate":
             continue
