@@ -158,6 +158,10 @@ def _split_epsilon(steps: tuple, direction: str, delta: float, spacing: float, s
                                (points, window, spacings is None and points < _MAX_POINTS), tried)
     if settled is not None:
         return settled
+    hopeless = [found for found in tried.values() if found not in (None, _TOO_WIDE) and found[1]
+                and found[0] > _HOPELESS * scale]
+    if hopeless:  # rounding decides far above the scale: finer bins only add to it
+        return min(hopeless, key=lambda found: found[0])
     while h <= coarsest:
         found = tried[h] if h in tried else _split_on(steps, direction, delta, h, (floor, cut), scale, dtype, points,
                                                       before=window)
@@ -168,6 +172,14 @@ def _split_epsilon(steps: tuple, direction: str, delta: float, spacing: float, s
         h *= 2.0  # a window too wide for the finest grid: try a coarser one
     return None
 
+
+#: Where bins coarser than the spread asks (:func:`_settled_coarser`) give an answer that
+#: rounding decides above this many times epsilon's scale, :func:`_split_epsilon` keeps it
+#: rather than composing the finer bins: their rounding allowance sums over more entries.
+#: One step at sigma 268, q 1.8e-3, delta 2.7e-6 (epsilon 1.8e-7, on the grids): 2.17e-5
+#: on the coarser bins, 2.19e-5 on the asked ones, 1.5 to 3.7 s each time; addition of 168
+#: steps at sigma 9.87, q 2.6e-6, delta 1.4e-6: 1.42e-6 and 1.46e-6 (24 times the scale).
+_HOPELESS = 16.0
 
 #: :func:`_settled_coarser` tries bins this many times coarser than the spread asks, or more.
 _COARSER_RATIO = 4
