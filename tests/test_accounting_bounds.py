@@ -567,6 +567,29 @@ def test_the_spread_lower_bound_gives_up_on_a_bulk_too_wide_before_building_it()
     assert 0.0 < lower <= upper
 
 
+def test_a_split_that_rounding_decides_far_above_its_scale_is_not_composed_finer(monkeypatch):
+    # One step at sigma 268, q 1.8e-3, delta 2.65e-6 (epsilon 1.8e-7 on the grids): bins
+    # coarser than the spread asks give 2.17e-5, rounding deciding it; the asked bins gave
+    # 2.19e-5 in 1.5 to 3.7 s, each time the grids asked. The coarser answer is kept.
+    steps, delta = ((267.92277214193956, 0.0018390491577881987, 1),), 2.6509476534323483e-06
+    answered = []
+    split_on = rare._split_on
+
+    def record(*args, **kwargs):
+        found = split_on(*args, **kwargs)
+        if found is not None and found is not rare._TOO_WIDE:
+            answered.append(args[3])
+        return found
+
+    monkeypatch.setattr(rare, "_split_on", record)
+    rare._split_epsilon.cache_clear()
+    value, rounding = rare.split_epsilon(steps, "remove", delta, 2.3e-7)
+    rare._split_epsilon.cache_clear()
+    assert rounding and len(answered) == 1 and value > 16 * 2.0**-23
+    assert one_step_profile(steps[0][0], steps[0][1], "remove", value) <= delta * (1 + 1e-6)
+    assert epsilon_of_ledger(steps, delta) < value / 16  # the grids' answer, which the caller keeps
+
+
 def test_the_split_of_a_ledger_of_two_runs_is_bracketed():
     # Each run's tail is read against the bulks of all the other steps.
     runs = ((0.6, 1e-6, 400_000), (0.65, 2e-6, 600_000))
