@@ -93,6 +93,8 @@ def _ledgers():
         ("sigma 0.661, q 1e-6, 10^8 steps, delta 1e-12 (one rare loss decides)", [(0.661, 1e-6, 10**8)], 1e-12, None),
         ("sigma 0.4773, q 4.6e-6, 6.2x10^6 steps, delta 0.04 (epsilon near 0: the tails of a wide profile)",
          [(0.47731, 4.6256e-6, 6_168_826)], 0.040257, None),
+        ("one step at sigma 268, q 1.8e-3, delta 2.7e-6 (epsilon 1.8e-7: rounding decides)",
+         [(267.92, 1.839e-3, 1)], 2.651e-6, None),
         ("T = 10^7 (sigma 1, q 1e-3)", [(1.0, 1e-3, 10**7)], 1e-5, None),
         ("T = 5x10^6 (sigma 1, q 1e-3)", [(1.0, 1e-3, 5 * 10**6)], 1e-5, None),
         ("sigma 4.4, q 0.033, 10^8 steps, delta 4.2e-8 (one grid: +1.5%)", [(4.40371, 0.0332264, 10**8)],
