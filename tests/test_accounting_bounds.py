@@ -2920,6 +2920,28 @@ def test_a_wide_cut_is_kept_where_the_short_cuts_coarser_bins_would_cost_more(mo
     pld_module._pld_epsilon.cache_clear()
 
 
+def test_a_refinement_is_cut_short_at_once_where_the_first_grids_cuts_moved_epsilon_much(monkeypatch):
+    # sigma 0.24, q 1.7e-6, 69,539 steps, delta 0.03: on the first grid (2^18 points, cut
+    # for 2^-10 of delta) the cuts move epsilon by 0.74% of itself. The refinement to 2^20
+    # points is cut for 2^-16 at once: one composition on the finest grid, not one cut
+    # like the first and then the short cut beside it, and the same answer (0.030629; the
+    # rigorous lower bound is 0.030600).
+    runs, delta = [(0.24036300742430947, 1.704588762580826e-06, 69539)], 0.029621380055163245
+    composed = _record_compositions(monkeypatch)
+    pld_module._pld_epsilon.cache_clear()
+    found = pld_epsilon(runs, delta)
+    finest = {(grid.spacing, grid.cut) for grid, _, _ in composed if grid.n == 2**20}
+    assert {cut for _, cut in finest} == {pld_module._TAIL_FRACTION} and len(finest) == 1
+    composed.clear()
+    monkeypatch.setattr(pld_module, "_REFINE_CUT_SHARE", math.inf)  # refined cut like the first grid
+    pld_module._pld_epsilon.cache_clear()
+    both = pld_epsilon(runs, delta)
+    assert {grid.cut for grid, _, _ in composed if grid.n == 2**20} == {pld_module._CHECKED_CUT,
+                                                                           pld_module._TAIL_FRACTION}
+    assert found == pytest.approx(both, rel=1e-9)
+    pld_module._pld_epsilon.cache_clear()
+
+
 def test_a_wide_cut_whose_rounding_allowance_holds_epsilon_high_is_composed_again_cut_short(monkeypatch):
     # 45 pairs at q 1.6e-6 to 1.2e-6 over 226 steps, delta 1.9e-5: the window cut for a
     # 2^-10 share of delta takes a larger tilt than the one cut for 2^-16 (55,109 against
@@ -2938,6 +2960,7 @@ def test_a_wide_cut_whose_rounding_allowance_holds_epsilon_high_is_composed_agai
     exact = pld_module._compose_direction(tuple(runs), "remove", wide, delta, np.longdouble)[0]
     assert checked <= (1 + 1e-4) * exact
     monkeypatch.setattr(pld_module, "_CUT_SHARE", math.inf)  # the wide cut kept whatever it moves
+    monkeypatch.setattr(pld_module, "_REFINE_CUT_SHARE", math.inf)  # ... and refined as cut
     pld_module._pld_epsilon.cache_clear()
     assert epsilon_of_ledger(runs, delta) > (1 + 3e-3) * exact
     pld_module._pld_epsilon.cache_clear()
