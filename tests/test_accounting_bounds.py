@@ -2942,6 +2942,25 @@ def test_a_refinement_is_cut_short_at_once_where_the_first_grids_cuts_moved_epsi
     pld_module._pld_epsilon.cache_clear()
 
 
+def test_a_first_grid_not_refined_keeps_its_wide_cut_where_coarser_bins_would_cost_more(monkeypatch):
+    # sigma 0.315, q 1.2e-6, 4.9*10^6 steps, delta 0.094 (epsilon near 0): the first grid
+    # has the most points (2^20) and is not refined; its cuts move epsilon (1.45e-3) by
+    # 5.1e-5, where the window cut for 2^-16 of delta needs bins twice as wide, which the
+    # mean shift puts at 4.3e-4 more. It is not composed, and composed all the same it
+    # gives the same answer (the split beside the grid gives the smaller one).
+    runs, delta = [(0.3154106957435106, 1.2152645607631005e-06, 4936723)], 0.09400983654220964
+    composed = _record_compositions(monkeypatch)
+    pld_module._pld_epsilon.cache_clear()
+    kept = pld_epsilon(runs, delta)
+    assert {(grid.n, grid.cut) for grid, _, _ in composed} == {(2**20, pld_module._CHECKED_CUT)}
+    composed.clear()
+    monkeypatch.setattr(pld_module, "_bins_cost", lambda *args: 0.0)  # (the short cut composed whatever it costs)
+    pld_module._pld_epsilon.cache_clear()
+    assert pld_epsilon(runs, delta) == kept
+    assert (2**20, pld_module._TAIL_FRACTION) in {(grid.n, grid.cut) for grid, _, _ in composed}
+    pld_module._pld_epsilon.cache_clear()
+
+
 def test_a_wide_cut_whose_rounding_allowance_holds_epsilon_high_is_composed_again_cut_short(monkeypatch):
     # 45 pairs at q 1.6e-6 to 1.2e-6 over 226 steps, delta 1.9e-5: the window cut for a
     # 2^-10 share of delta takes a larger tilt than the one cut for 2^-16 (55,109 against
