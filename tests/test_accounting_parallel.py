@@ -43,7 +43,28 @@ def assert_same_side_by_side(monkeypatch, runs, delta, spied):
 
 @pytest.mark.parametrize("runs", LEDGERS, ids=["one run", "schedule", "noiseless first"])
 def test_side_by_side_gives_the_same_epsilon_as_one_after_the_other(runs, monkeypatch):
+    monkeypatch.setattr(pld_module, "_MIXTURE_APART_POINTS", 0)  # (mixture groups beside each other too)
     assert_same_side_by_side(monkeypatch, runs, DELTA, "_compose_direction")
+
+
+def test_mixture_groups_on_a_small_grid_compose_one_direction_after_the_other(monkeypatch):
+    # Mostly small arrays and Python: side by side each thread would wait for the
+    # interpreter lock. Both directions run on this thread, and the value is the same.
+    runs = LEDGERS[1]
+    fresh(monkeypatch, 1)
+    alone = pld_module.pld_epsilon(runs, DELTA)
+    fresh(monkeypatch, 2)
+    threads, compose = [], pld_module._compose_direction
+
+    def spy(steps, direction, grid, *args, **kwargs):
+        threads.append((threading.current_thread().name, direction, grid.n, kwargs.get("mixture") is not None))
+        return compose(steps, direction, grid, *args, **kwargs)
+
+    monkeypatch.setattr(pld_module, "_compose_direction", spy)
+    assert pld_module.pld_epsilon(runs, DELTA) == alone
+    assert {direction for _, direction, _, _ in threads} == {"remove", "add"}
+    assert all(mixture and points <= pld_module._MIXTURE_APART_POINTS for _, _, points, mixture in threads)
+    assert {name for name, _, _, _ in threads} == {threading.current_thread().name}
 
 
 def test_both_directions_refined_side_by_side_give_the_same_epsilon(monkeypatch):

@@ -1354,17 +1354,17 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
     where rounding may still decide it, or to ``split`` where the split of :mod:`.rare`
     alone answered it (with ``rare_split``). ``cuts``: see :func:`_compose_direction`.
 
-    ``settle_first`` (the calibration's model, :func:`model_epsilon`): one after the
-    other, and the other's quickest candidate first (float64 at its own tilt where that
-    is above the grid's), the rest only where that is still above the larger's final
-    value. The maximum is the same; side by side, the other's split could take four times
-    the larger's refinement for nothing (q 1.72e-6, 8.2*10^7 steps: 0.9 s, for 0.40 below 0.62).
-    Without ``refine``: the float64 answers, ``{direction: (epsilon, rounding decides)}``,
-    which a later call takes as ``known`` rather than composing them again (:func:`_first_grid`)."""
+    ``settle_first`` (the calibration's model, :func:`model_epsilon`): one after the other,
+    the other's quickest candidate first (float64 at its own tilt where above the grid's),
+    the rest only where still above the larger's final value. The maximum is the same;
+    side by side, the other's split could take four times the larger's refinement for
+    nothing (q 1.72e-6, 8.2*10^7 steps: 0.9 s, for 0.40 below 0.62). Without ``refine``:
+    the float64 answers ``{direction: (epsilon, rounding decides)}``, for ``known`` later."""
     def compose(direction: str, on: _Grid, dtype) -> tuple[float, bool]:
         return _compose_direction(steps, direction, on, deltas[direction], dtype, mixture=mixture, cuts=cuts)
 
-    first = known or _both_directions(lambda direction: _first_answer(compose, direction, grid, uncertified))
+    together = mixture is None or grid.n > _MIXTURE_APART_POINTS  # (see _both_directions)
+    first = known or _both_directions(lambda direction: _first_answer(compose, direction, grid, uncertified), together)
     if not refine:
         return first
     epsilons = {direction: value for direction, (value, _) in first.items()}
@@ -1686,15 +1686,28 @@ def _side_by_side() -> bool:
     return _usable_cores() >= 2 and not threading.current_thread().name.startswith(_THREAD_PREFIX)
 
 
-def _both_directions(compose) -> dict:
+#: Mixture compositions on at most this many points run their two directions one after
+#: the other (:func:`_both_directions`).
+_MIXTURE_APART_POINTS = 2**18
+
+
+def _both_directions(compose, together: bool = True) -> dict:
     """``{direction: compose(direction)}`` for removal and addition, side by side.
 
     The two directions are independent compositions of the same cost. Where the process
     may use two cores or more, addition runs on the accounting's background thread while
     this one composes removal (numpy's transforms and array arithmetic release the
     interpreter lock, so they overlap); the values are the same either way.
+
+    ``together=False``: one after the other, for work that holds the interpreter lock
+    more than it releases it. Mixture groups on a small grid are mostly small arrays and
+    Python, and side by side each thread waits for the lock: on 2^14 to 2^18 points
+    (:data:`_MIXTURE_APART_POINTS`) the 10^4-run schedule took 0.46 s side by side and
+    0.37 s one after the other, the 10^4 one-step pairs 0.53 and 0.45, the 100-run sigma
+    and 80-run q schedules 0.46 and 0.37, 0.41 and 0.34 (medians of three, in one
+    process). From 2^19 points on the transforms dominate: no clear difference either way.
     """
-    if not _side_by_side():
+    if not (together and _side_by_side()):
         return {direction: compose(direction) for direction in (_REMOVE, _ADD)}
     _count_sides(2)
     try:
