@@ -2049,6 +2049,19 @@ def test_calibration_near_zero_over_a_long_run_starts_at_the_central_limit_theor
     assert sigma in calls and len(calls) <= 4, calls
 
 
+def test_calibration_whose_first_accountant_point_is_zero_steps_on_epsilon_itself(monkeypatch):
+    # q 1.5e-6 over 3.9*10^6 steps, delta 6.5e-3, target 1.5e-3: the coarse PLD is not yet
+    # 0 within 2% above its answer (no sign of the zero), but the accountant is 0 at the
+    # model's answer, 0.539. From there the search halved sigma and bisected towards the
+    # zero: nine evaluations. It now steps on epsilon itself, as near zero.
+    calls, accountant = count_accountant_calls(monkeypatch)
+    target, delta, q, steps = 0.001535915986538202, 0.006509211070859545, 1.4926196730803945e-06, 3882776
+    sigma = calibrate_noise(target, delta, q, steps)
+    assert target * 0.998 <= accountant([(sigma, q, steps)], delta) <= target
+    assert accountant([(calls[0], q, steps)], delta) == 0.0
+    assert sigma in calls and len(calls) <= 6, calls
+
+
 def test_bracket_search_near_zero_interpolates_epsilon_itself():
     # A stand-in for epsilon near its zero: convex, a(s0 - s) + b(s0 - s)^2 below s0 and 0
     # above. From a bracket with epsilon 0 at its feasible end, the search must land in
