@@ -2974,6 +2974,19 @@ def test_a_first_grid_not_refined_keeps_its_wide_cut_where_coarser_bins_would_co
     pld_module._pld_epsilon.cache_clear()
 
 
+def test_a_zero_on_the_refined_grid_is_not_composed_again(monkeypatch):
+    # sigma 0.359, q 2.7e-6, 12,431 steps, delta 3.2e-3 (a calibration's point just past
+    # where epsilon reaches 0): the first grid says 9e-4, the refined one (2^20 points)
+    # 0 for both directions. A sound 0 is exact: no window cut shorter is composed
+    # (0.5 s for the same 0).
+    runs, delta = [(0.358945301, 2.741287016696085e-06, 12431)], 0.0031565184824688414
+    composed = _record_compositions(monkeypatch)
+    pld_module._pld_epsilon.cache_clear()
+    assert pld_epsilon(runs, delta) == 0.0
+    assert len([grid for grid, _, _ in composed if grid.n == 2**20]) == 2  # (one grid, both directions)
+    pld_module._pld_epsilon.cache_clear()
+
+
 def test_a_wide_cut_whose_rounding_allowance_holds_epsilon_high_is_composed_again_cut_short(monkeypatch):
     # 45 pairs at q 1.6e-6 to 1.2e-6 over 226 steps, delta 1.9e-5: the window cut for a
     # 2^-10 share of delta takes a larger tilt than the one cut for 2^-16 (55,109 against

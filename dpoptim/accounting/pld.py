@@ -1023,7 +1023,7 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
     if (not lower and rare_split and mixture is None and grid.n >= last and guess < ceiling
             and _spread_share(steps, grid.spacing) > _SPREAD_SHARE):
         epsilons = _split_beside(steps, deltas, epsilons, grid, shift)
-    if not lower and grid.n >= last and guess < ceiling and grid.spacing > _BIN_SHARE * guess:
+    if not lower and grid.n >= last and guess < ceiling and grid.spacing > _BIN_SHARE * guess and any(epsilons.values()):
         epsilons = _smaller_with(steps, deltas, epsilons, compose_on,
                                  _shorter_cut_grid(steps, delta, grid, max(epsilons.values())))
     if _reported(epsilons, shift) in bound and grid.n > first and guess < ceiling:  # (else a coarser grid is no help)
