@@ -1167,6 +1167,21 @@ def _record_compositions(monkeypatch) -> list:
     return records
 
 
+def _with_and_without(monkeypatch, runs, delta, patch: tuple) -> list:
+    """``[(epsilon, grids), (epsilon, grids)]``: ``pld_epsilon(runs, delta)`` and the grids it
+    composed (``(points, spacing, cut)`` each), then the same with ``patch``, ``(name,
+    value)``, set on pld.py."""
+    composed, found = _record_compositions(monkeypatch), []
+    for patched in (False, True):
+        if patched:
+            monkeypatch.setattr(pld_module, *patch)
+        composed.clear()
+        pld_module._pld_epsilon.cache_clear()
+        found.append((pld_epsilon(runs, delta), {(grid.n, grid.spacing, grid.cut) for grid, _, _ in composed}))
+    pld_module._pld_epsilon.cache_clear()
+    return found
+
+
 @pytest.mark.skipif(not pld_module._EXTENDED_U < pld_module._U, reason="no extended precision here")
 def test_rounding_is_refined_only_where_it_could_lower_epsilon_by_more_than_a_share(monkeypatch):
     # Two ledgers whose float64 answers rounding decides. Over 3025 steps a pair the
@@ -2920,17 +2935,13 @@ def test_a_wide_cut_is_kept_where_the_short_cuts_coarser_bins_would_cost_more(mo
     runs = [(4.36923 - 3.58112 * t / 132, 1.02055e-4 * (3.57802e-5 / 1.02055e-4) ** (t / 132), 165) for t in range(133)]
     monkeypatch.setattr(pld_module, "_GROUPED_SPLIT", False)  # (the mixture groups answer, not the split)
     monkeypatch.setattr(pld_module, "_deciding_order", lambda *args: 2)  # (groups by the order-2 proxy)
-    composed = _record_compositions(monkeypatch)
-    pld_module._pld_epsilon.cache_clear()
-    checked = pld_epsilon(runs, delta)
-    assert {grid.cut for grid, _, _ in composed} == {pld_module._CHECKED_CUT}
-    assert max(grid.n for grid, _, _ in composed) == 2**17
-    composed.clear()
-    monkeypatch.setattr(pld_module, "_bins_cost", lambda *args: 0.0)  # (the short cut composed whatever it costs)
-    pld_module._pld_epsilon.cache_clear()
-    assert pld_epsilon(runs, delta) == pytest.approx(checked, rel=1e-9)
-    assert pld_module._TAIL_FRACTION in {grid.cut for grid, _, _ in composed}
-    pld_module._pld_epsilon.cache_clear()
+    # (then the short cut composed whatever it costs)
+    (checked, grids), (forced, forced_grids) = _with_and_without(monkeypatch, runs, delta,
+                                                                  ("_bins_cost", lambda *a: 0.0))
+    assert {cut for _, _, cut in grids} == {pld_module._CHECKED_CUT}
+    assert max(points for points, _, _ in grids) == 2**17
+    assert forced == pytest.approx(checked, rel=1e-9)
+    assert pld_module._TAIL_FRACTION in {cut for _, _, cut in forced_grids}
 
 
 def test_a_refinement_is_cut_short_at_once_where_the_first_grids_cuts_moved_epsilon_much(monkeypatch):
@@ -2940,19 +2951,13 @@ def test_a_refinement_is_cut_short_at_once_where_the_first_grids_cuts_moved_epsi
     # like the first and then the short cut beside it, and the same answer (0.030629; the
     # rigorous lower bound is 0.030600).
     runs, delta = [(0.24036300742430947, 1.704588762580826e-06, 69539)], 0.029621380055163245
-    composed = _record_compositions(monkeypatch)
-    pld_module._pld_epsilon.cache_clear()
-    found = pld_epsilon(runs, delta)
-    finest = {(grid.spacing, grid.cut) for grid, _, _ in composed if grid.n == 2**20}
+    # (then the refinement cut like the first grid)
+    (found, grids), (both, both_grids) = _with_and_without(monkeypatch, runs, delta, ("_REFINE_CUT_SHARE", math.inf))
+    finest = {(spacing, cut) for points, spacing, cut in grids if points == 2**20}
     assert {cut for _, cut in finest} == {pld_module._TAIL_FRACTION} and len(finest) == 1
-    composed.clear()
-    monkeypatch.setattr(pld_module, "_REFINE_CUT_SHARE", math.inf)  # refined cut like the first grid
-    pld_module._pld_epsilon.cache_clear()
-    both = pld_epsilon(runs, delta)
-    assert {grid.cut for grid, _, _ in composed if grid.n == 2**20} == {pld_module._CHECKED_CUT,
-                                                                           pld_module._TAIL_FRACTION}
+    assert {cut for points, _, cut in both_grids if points == 2**20} == {pld_module._CHECKED_CUT,
+                                                                          pld_module._TAIL_FRACTION}
     assert found == pytest.approx(both, rel=1e-9)
-    pld_module._pld_epsilon.cache_clear()
 
 
 def test_a_first_grid_not_refined_keeps_its_wide_cut_where_coarser_bins_would_cost_more(monkeypatch):
@@ -2962,16 +2967,11 @@ def test_a_first_grid_not_refined_keeps_its_wide_cut_where_coarser_bins_would_co
     # mean shift puts at 4.3e-4 more. It is not composed, and composed all the same it
     # gives the same answer (the split beside the grid gives the smaller one).
     runs, delta = [(0.3154106957435106, 1.2152645607631005e-06, 4936723)], 0.09400983654220964
-    composed = _record_compositions(monkeypatch)
-    pld_module._pld_epsilon.cache_clear()
-    kept = pld_epsilon(runs, delta)
-    assert {(grid.n, grid.cut) for grid, _, _ in composed} == {(2**20, pld_module._CHECKED_CUT)}
-    composed.clear()
-    monkeypatch.setattr(pld_module, "_bins_cost", lambda *args: 0.0)  # (the short cut composed whatever it costs)
-    pld_module._pld_epsilon.cache_clear()
-    assert pld_epsilon(runs, delta) == kept
-    assert (2**20, pld_module._TAIL_FRACTION) in {(grid.n, grid.cut) for grid, _, _ in composed}
-    pld_module._pld_epsilon.cache_clear()
+    # (then the short cut composed whatever it costs)
+    (kept, grids), (forced, forced_grids) = _with_and_without(monkeypatch, runs, delta, ("_bins_cost", lambda *a: 0.0))
+    assert {(points, cut) for points, _, cut in grids} == {(2**20, pld_module._CHECKED_CUT)}
+    assert forced == kept
+    assert (2**20, pld_module._TAIL_FRACTION) in {(points, cut) for points, _, cut in forced_grids}
 
 
 def test_a_zero_on_the_refined_grid_is_not_composed_again(monkeypatch):
