@@ -553,7 +553,7 @@ def _zero_side_rate(sigma: float, aim: float, q: float, steps: int, delta: float
     ``sigma`` though the coarse PLD put the target near it: the coarse PLD's over
     0.995..1 times ``sigma``, else (that chord not positive) ``aim`` times the coarse
     log-log slope (:func:`_coarse_slope`). Without it the search stepped down from the 0
-    by halving and bisecting towards it (q 2.7e-6, 12,431 steps, delta 3.2e-3, target
+    by halving and bisecting towards it (q 1.5e-6, 3.9*10^6 steps, delta 6.5e-3, target
     1.5e-3: nine evaluations, from sigma 0.539 through 0.270 to the answer 0.522)."""
     below, at = (coarse_epsilon([(sigma * f, q, steps)], delta, _COARSE_GRID) for f in (0.995, 1.0))
     rate = (below - at) / -math.log(0.995)
