@@ -530,12 +530,17 @@ def _coarse_slope(sigma: float, q: float, steps: int, delta: float) -> float:
 def _near_zero_rate(sigma: float, q: float, steps: int, delta: float) -> float | None:
     """Where epsilon reaches 0 within 2% above ``sigma`` (the coarse PLD, an upper bound,
     is 0 at 1.02 ``sigma``; see :func:`_near_zero`), a first guess of the accountant's
-    -d epsilon / d log sigma there: the coarse PLD's over 0.995..1 times ``sigma``; else
-    None. The coarse PLD is off by about a constant there (its rounding), which leaves
-    the rate; epsilon being convex, the chord's rate is a little above the rate at
-    ``sigma``."""
+    -d epsilon / d log sigma there: :func:`_coarse_chord_rate` (else None). The coarse
+    PLD is off by about a constant there (its rounding), which leaves the rate; epsilon
+    being convex, the chord's rate is a little above the rate at ``sigma``."""
     if coarse_epsilon([(sigma * 1.02, q, steps)], delta, _COARSE_GRID) > 0:
         return None
+    return _coarse_chord_rate(sigma, q, steps, delta)
+
+
+def _coarse_chord_rate(sigma: float, q: float, steps: int, delta: float) -> float | None:
+    """The coarse PLD's -d epsilon / d log sigma over 0.995..1 times ``sigma``, where
+    positive and finite; else None."""
     below, at = (coarse_epsilon([(sigma * f, q, steps)], delta, _COARSE_GRID) for f in (0.995, 1.0))
     rate = (below - at) / -math.log(0.995)
     return rate if 0 < rate < math.inf else None
@@ -550,14 +555,12 @@ def _zero_side_step(known: dict, sigma: float, aim: float, q: float, steps: int,
 
 def _zero_side_rate(sigma: float, aim: float, q: float, steps: int, delta: float) -> float:
     """A first guess of -d epsilon / d log sigma where the accountant's epsilon is 0 at
-    ``sigma`` though the coarse PLD put the target near it: the coarse PLD's over
-    0.995..1 times ``sigma``, else (that chord not positive) ``aim`` times the coarse
-    log-log slope (:func:`_coarse_slope`). Without it the search stepped down from the 0
-    by halving and bisecting towards it (q 1.5e-6, 3.9*10^6 steps, delta 6.5e-3, target
-    1.5e-3: nine evaluations, from sigma 0.539 through 0.270 to the answer 0.522)."""
-    below, at = (coarse_epsilon([(sigma * f, q, steps)], delta, _COARSE_GRID) for f in (0.995, 1.0))
-    rate = (below - at) / -math.log(0.995)
-    return rate if 0 < rate < math.inf else aim * _coarse_slope(sigma, q, steps, delta)
+    ``sigma`` though the coarse PLD put the target near it: :func:`_coarse_chord_rate`,
+    else ``aim`` times the coarse log-log slope (:func:`_coarse_slope`). Without it the
+    search stepped down from the 0 by halving and bisecting towards it (q 1.5e-6,
+    3.9*10^6 steps, delta 6.5e-3, target 1.5e-3: nine evaluations, from sigma 0.539
+    through 0.270 to the answer 0.522)."""
+    return _coarse_chord_rate(sigma, q, steps, delta) or aim * _coarse_slope(sigma, q, steps, delta)
 
 
 def _near_zero_start(start: float, aim: float, q: float, steps: int, delta: float) -> float:
