@@ -2068,13 +2068,97 @@ def test_calibration_whose_first_accountant_point_is_zero_steps_on_epsilon_itsel
     # q 1.5e-6 over 3.9*10^6 steps, delta 6.5e-3, target 1.5e-3: the coarse PLD is not yet
     # 0 within 2% above its answer (no sign of the zero), but the accountant is 0 at the
     # model's answer, 0.539. From there the search halved sigma and bisected towards the
-    # zero: nine evaluations. It now steps on epsilon itself, as near zero.
+    # zero: nine evaluations; stepping on epsilon itself at the coarse PLD's rate, six.
+    # Where the extrapolated coarse PLD meets the target, then at its rate: three.
     calls, accountant = count_accountant_calls(monkeypatch)
     target, delta, q, steps = 0.001535915986538202, 0.006509211070859545, 1.4926196730803945e-06, 3882776
     sigma = calibrate_noise(target, delta, q, steps)
     assert target * 0.998 <= accountant([(sigma, q, steps)], delta) <= target
     assert accountant([(calls[0], q, steps)], delta) == 0.0
-    assert sigma in calls and len(calls) <= 6, calls
+    assert sigma in calls and len(calls) <= 4, calls
+
+
+def test_calibration_near_zero_starts_where_the_extrapolated_coarse_pld_meets_the_target(monkeypatch):
+    # q 2.7e-6 over 12,431 steps, delta 3.2e-3: epsilon reaches 0 near sigma 0.3529, where
+    # the coarse PLD lies about five times the target above the accountant. Starting at
+    # the coarse answer (a 0), the search stepped past the zero twice and back up from
+    # nine times the target: seven evaluations (5.6 s). The coarse PLD on three grids,
+    # extrapolated to fine bins, starts it within 0.15 times the target.
+    calls, accountant = count_accountant_calls(monkeypatch)
+    target, delta, q, steps = 1.3773070073577008e-4, 3.1565184824688414e-3, 2.741287016696085e-6, 12431
+    sigma = calibrate_noise(target, delta, q, steps)
+    assert target * 0.998 <= accountant([(sigma, q, steps)], delta) <= target
+    assert 0.0 < accountant([(calls[0], q, steps)], delta) <= 2.0 * target
+    assert sigma in calls and len(calls) <= 4, calls
+
+
+def test_calibration_near_zero_passes_over_a_central_limit_sigma_beyond_the_zero(monkeypatch):
+    # q 3.4e-6 over 1.4*10^6 steps, delta 0.025: the central limit theorem's sigma for the
+    # target lies 1.3% above the answer, past the zero; the extrapolated coarse PLD is 0
+    # there, so the search starts where that extrapolation meets the target instead
+    # (seven evaluations from the theorem's sigma, two now).
+    calls, accountant = count_accountant_calls(monkeypatch)
+    target, delta, q, steps = 3.236965357034844e-4, 0.024532112507341667, 3.4471245580917717e-6, 1391880
+    clt = calibrate_module._clt_sigma(target * 0.999, delta, q, steps)
+    sigma = calibrate_noise(target, delta, q, steps)
+    assert target * 0.998 <= accountant([(sigma, q, steps)], delta) <= target
+    assert clt > sigma * 1.01 and clt not in calls
+    assert sigma in calls and len(calls) <= 3, calls
+
+
+def test_the_extrapolated_coarse_pld_is_the_limit_of_a_geometric_sequence(monkeypatch):
+    # Offsets shrinking by 2.2 per halving of the bins, above a value of 1e-4: the limit
+    # is that value; a 0 on the finest grid, or differences that do not shrink, give the
+    # finest grid's value.
+    offsets = {2**14: 4.84e-4, 2**15: 2.2e-4, 2**16: 1e-4}
+    for below, limit in ((1e-4, 1e-4), (-5e-5, -5e-5)):
+        monkeypatch.setattr(calibrate_module, "coarse_epsilon",
+                            lambda runs, delta, points, below=below: max(below + offsets[points], 0.0))
+        calibrate_module._extrapolated_epsilon.cache_clear()
+        assert calibrate_module._extrapolated_epsilon(0.5, 1e-5, 1000, 1e-3) == pytest.approx(limit, abs=1e-12)
+    for values in ({2**14: 3e-4, 2**15: 1e-4, 2**16: 0.0}, {2**14: 3e-4, 2**15: 2e-4, 2**16: 1e-4}):
+        monkeypatch.setattr(calibrate_module, "coarse_epsilon", lambda runs, delta, points, values=values: values[points])
+        calibrate_module._extrapolated_epsilon.cache_clear()
+        assert calibrate_module._extrapolated_epsilon(0.5, 1e-5, 1000, 1e-3) == values[2**16]
+    calibrate_module._extrapolated_epsilon.cache_clear()
+
+
+@pytest.mark.parametrize("start", [0.43, 0.44, 0.452, 0.46])
+def test_the_extrapolated_search_finds_where_a_convex_stand_in_meets_the_aim(monkeypatch, start):
+    # Epsilon near its zero (0 above sigma 0.4452, convex below: its rate 20% higher 3%
+    # below the zero, as the extrapolation's was near q 1e-5 over 2.3*10^5 steps): from
+    # either side of the zero, with a first rate 30% off, the search lands within its
+    # tolerance of the aim in at most its evaluations and measures the rate there.
+    evaluated = []
+
+    def stand_in(sigma, q, steps, delta):
+        evaluated.append(sigma)
+        gap = max(math.log(0.4452 / sigma), 0.0)
+        return 1.5 * gap + 5.0 * gap * gap
+
+    monkeypatch.setattr(calibrate_module, "_extrapolated_epsilon", stand_in)
+    aim = 1e-3
+    sigma, rate = calibrate_module._extrapolated_sigma(start, aim, 1.05, 1e-5, 1000, 1e-3)
+    assert abs(stand_in(sigma, 0, 0, 0) - aim) <= calibrate_module._EXTRAPOLATED_TOLERANCE * aim
+    assert len(evaluated) <= calibrate_module._EXTRAPOLATED_EVALUATIONS + 1
+    gap = math.log(0.4452 / sigma)
+    assert rate == pytest.approx(1.5 + 10.0 * gap, rel=0.02)
+
+
+def test_the_extrapolated_search_gives_up_without_a_positive_value(monkeypatch):
+    monkeypatch.setattr(calibrate_module, "_extrapolated_epsilon", lambda *args: 0.0)
+    assert calibrate_module._extrapolated_sigma(0.5, 1e-3, 1.0, 1e-5, 1000, 1e-3) is None
+
+
+def test_a_bracket_step_near_zero_from_one_positive_point_takes_the_rate():
+    # One point at 1.09 times the aim, the feasible end at 0 a percent above: bisecting
+    # towards the 0 landed at 0.45 times the target; at a rate the step lands by it.
+    x_low, x_high = math.log(0.5207), math.log(0.5393)
+    g_low = 0.09
+    x = calibrate_module._bracket_step([(x_low, g_low)], (x_low, g_low), (x_high, -1.0), True, True, rate=40.0)
+    assert x == pytest.approx(x_low + g_low / 40.0)
+    bisected = calibrate_module._bracket_step([(x_low, g_low)], (x_low, g_low), (x_high, -1.0), True, True)
+    assert bisected == pytest.approx(0.5 * (x_low + x_high))
 
 
 def test_bracket_search_near_zero_interpolates_epsilon_itself():
