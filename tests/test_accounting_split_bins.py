@@ -112,3 +112,35 @@ def test_where_the_caller_answers_none_for_bins_too_wide_coarser_ones_are_still_
     monkeypatch.setattr(rare, "_split_on", fake_split_on({2.0: (1.0, False, None), 1.0: (1.0, False, None)}, calls))
     assert rare._settled_coarser((), "remove", 1e-6, (0.25, 1.0), (None, 0.5), 64.0, None,
                                  (2**19, None, True), {}) == (1.0, False, None)
+
+
+def test_unsettled_coarser_answers_are_kept_aside_not_answered(monkeypatch):
+    # The coarser bins disagree (2^-9 apart: not settled) and the asked ones do not fit:
+    # the strict split answers None, as before, and hands the smaller of the two sound
+    # answers to a caller that asks for it (``coarser``); one that rounding decides is not
+    # taken.
+    calls = []
+    monkeypatch.setattr(rare, "_widest_bulk", lambda *args: 2**20)
+    monkeypatch.setattr(rare, "split_ends", lambda *args: (None, 0.5, -1e-3, 4.0))
+    monkeypatch.setattr(rare, "_bulk_spacing", lambda *args: 2.0**-30)
+    answers = {2.0**-16: (1e-4 * (1.0 + 2.0**-9), False, None), 2.0**-17: (1e-4, False, None)}  # scale 2^-7
+
+    def split_on(steps, direction, delta, h, *args, **kwargs):
+        calls.append(h)
+        return answers.get(h, rare._TOO_WIDE)
+    monkeypatch.setattr(rare, "_split_on", split_on)
+    steps = ((0.35, 2.7e-6, 12431),)
+    rare._split_epsilon.cache_clear()
+    try:
+        coarser = {}
+        assert rare.split_epsilon(steps, "remove", 3.2e-3, 0.5 * 2.0**-6, False, 2**19, strict=True,
+                                  coarser=coarser, spacings=None) is None
+        assert coarser == {"remove": 1e-4} and calls[:2] == [2.0**-16, 2.0**-17]
+        rare._split_epsilon.cache_clear()
+        answers[2.0**-17] = (0.9e-4, True, None)
+        coarser = {}
+        assert rare.split_epsilon(steps, "remove", 3.2e-3, 0.5 * 2.0**-6, False, 2**19, strict=True,
+                                  coarser=coarser) is None
+        assert coarser == {"remove": 1e-4 * (1.0 + 2.0**-9)}
+    finally:
+        rare._split_epsilon.cache_clear()

@@ -983,7 +983,8 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
     ``mixture``: mixture groups (:mod:`.mixture`) composed in place of ``steps``, their
     corners, which size the grid. ``shift``: added to the add direction's epsilon by the
     caller (:func:`_compose_on`). ``rare_split``: see :func:`_rounding_bound`. ``hint``: a guess
-    (:func:`_ungrouped_split`) sizing the first grid where below the RDP guess. Cuts: :func:`_cut_checked`."""
+    (:func:`_ungrouped_split`) sizing the first grid where below the RDP guess. Cuts: :func:`_cut_checked`.
+    The split tried first may leave sound answers of its own beside the grids' (``beside``)."""
     delta = min(deltas.values())
     bound: set = set()  # the directions whose answer rounding decided, even refined
     split: set = set()  # ... and of those, the ones the split of :mod:`.rare` answered
@@ -1004,11 +1005,11 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
     grid = _choose_grid(steps, delta, first, last, guess, shift_until, tail_fraction=cut)
     # Sized without the spread test (the RDP guess lies beyond the body of the loss), the
     # grid is checked on the PLD's answer even where another bound is below it.
-    unspread = _beyond_body(steps, guess, delta)
-    if unspread and rare_split and not lower and mixture is None:
-        early = _split_first(steps, deltas, guess, shift=shift)
-        if early is not None:
-            return early
+    unspread, beside = _beyond_body(steps, guess, delta), {}
+    early = _split_first(steps, deltas, guess, shift=shift, beside=beside) if (
+        unspread and rare_split and not lower and mixture is None) else None
+    if early is not None:
+        return early
     epsilons = _first_grid(steps, deltas, grid, compose_on, (mixture, lower, ceiling, strict, last))
     reported = _reported(epsilons, shift)
     if reported in split or (not lower and not any(epsilons.values())):
@@ -1029,7 +1030,7 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
     if _reported(epsilons, shift) in bound and grid.n > first and guess < ceiling:  # (else a coarser grid is no help)
         epsilons = _smaller_with(steps, deltas, epsilons, compose_on,
                                  _coarser_grid(steps, delta, grid, max(epsilons.values()), first))
-    return epsilons
+    return {direction: min(value, beside.get(direction, math.inf)) for direction, value in epsilons.items()}
 
 
 #: The share of delta the upper bound's windows are first cut for (:func:`_cut_checked`).
@@ -1216,7 +1217,7 @@ _NEAR_ENOUGH = 2.0
 
 
 def _split_first(steps: tuple, deltas: dict, guess: float, again: bool = True, shift: float = 0.0,
-                 points: int = _FIRST_SPLIT_POINTS) -> dict | None:
+                 points: int = _FIRST_SPLIT_POINTS, beside: dict | None = None) -> dict | None:
     """Each direction's epsilon by the split of :mod:`.rare`, sized from ``guess`` (an upper
     estimate; ``again``: see :func:`~dpoptim.accounting.rare.split_epsilon`), where it
     answers both without rounding deciding (else None): beyond the body of the loss,
@@ -1231,8 +1232,9 @@ def _split_first(steps: tuple, deltas: dict, guess: float, again: bool = True, s
     (with ``again``), and only sized for its own where it is above (``shift``: added to
     it by the caller), as only the larger is reported; without a tail of its own it is
     composed whole on the split's fine grid. Where removal has no rare tail, the grids
-    answer. ``points``: the largest window."""
-    removal = rare.split_epsilon(steps, _REMOVE, deltas[_REMOVE], guess, again, points, strict=True)
+    answer. ``points``: the largest window. ``beside``: receives the split's sound answers
+    that are not its own (``coarser`` of :func:`~dpoptim.accounting.rare.split_epsilon`)."""
+    removal = rare.split_epsilon(steps, _REMOVE, deltas[_REMOVE], guess, again, points, strict=True, coarser=beside)
     if removal is None or removal[1]:
         return None
     # Addition only needs to stay below removal: a grid sized for far more than removal's
@@ -1249,7 +1251,7 @@ def _split_first(steps: tuple, deltas: dict, guess: float, again: bool = True, s
                                   points, whole=True)
     if again and addition is not None and addition[0] + shift > removal[0]:
         addition = rare.split_epsilon(steps, _ADD, deltas[_ADD], addition[0], again, points, whole=True,
-                                      strict=True)
+                                      strict=True, coarser=beside)
     if addition is None or addition[1]:
         return None
     return {_REMOVE: removal[0], _ADD: addition[0]}
