@@ -2165,6 +2165,18 @@ def test_a_bracket_step_near_zero_from_one_positive_point_takes_the_rate():
     assert bisected == pytest.approx(0.5 * (x_low + x_high))
 
 
+def test_near_zero_the_splits_answer_on_coarser_bins_stands_beside_the_grids():
+    # sigma 0.308, q 4.4e-6, 945 steps, delta 1.3e-3 (epsilon near 0): the split tried
+    # first answers 3.4337e-4 on bins coarser than its spread asks, where doubling them
+    # moved it by 0.06% (not settled), and the asked bins do not fit: it answered None,
+    # and the grids gave 3.5110e-4, 3.3% above a rigorous lower bound. Both are sound; the
+    # smaller is reported.
+    sigma, q, steps, delta = 0.3080033651482959, 4.350128628726621e-06, 945, 0.0012868312417857598
+    reported = pld_epsilon([(sigma, q, steps)], delta)
+    lower = rare_lower.spread_lower_bound(((sigma, q, steps),), "remove", delta, reported, points=2**18)
+    assert lower <= reported <= 1.015 * lower, (lower, reported)
+
+
 def test_bracket_search_near_zero_interpolates_epsilon_itself():
     # A stand-in for epsilon near its zero: convex, a(s0 - s) + b(s0 - s)^2 below s0 and 0
     # above. From a bracket with epsilon 0 at its feasible end, the search must land in
