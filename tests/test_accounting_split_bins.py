@@ -134,7 +134,7 @@ def test_unsettled_coarser_answers_are_kept_aside_not_answered(monkeypatch):
     try:
         coarser = {}
         assert rare.split_epsilon(steps, "remove", 3.2e-3, 0.5 * 2.0**-6, False, 2**19, strict=True,
-                                  coarser=coarser, spacings=None) is None
+                                  coarser=coarser) is None
         assert coarser == {"remove": 1e-4} and calls[:2] == [2.0**-16, 2.0**-17]
         rare._split_epsilon.cache_clear()
         answers[2.0**-17] = (0.9e-4, True, None)

@@ -639,10 +639,9 @@ def _extrapolated_epsilon(sigma: float, q: float, steps: int, delta: float) -> f
 def _extrapolated_sigma(start: float, aim: float, rate: float, q: float, steps: int, delta: float) -> tuple | None:
     """``(sigma, rate)``: where :func:`_extrapolated_epsilon` meets ``aim`` (to within
     :data:`_EXTRAPOLATED_TOLERANCE` of it), searched from ``start`` by secant steps on
-    epsilon against log sigma (the first at ``rate``, -d epsilon / d log sigma; past a 0,
-    towards 2, 8, 32... times ``aim`` as :func:`_linear_step`; each at most 0.05 in log
-    sigma, bisecting a bracket where one falls outside), up to
-    :data:`_EXTRAPOLATED_EVALUATIONS`; the rate between its last two points (``rate``
+    epsilon against log sigma (the first at ``rate``, -d epsilon / d log sigma, as past a
+    0: :func:`_epsilon_step`; each at most 0.05 in log sigma, bisecting a bracket where
+    one falls outside), up to :data:`_EXTRAPOLATED_EVALUATIONS`; the rate between its last two points (``rate``
     without two). Its point nearest ``aim`` once out of evaluations; None where it
     found no finite nonzero value."""
     x, zeros, points, low, high = math.log(start), 0, [], -math.inf, math.inf  # value above aim at low, below at high
@@ -658,16 +657,17 @@ def _extrapolated_sigma(start: float, aim: float, rate: float, q: float, steps: 
             (x0, g0), (x1, g1) = points[-2:]
             step = x1 - g1 * (x1 - x0) / (g1 - g0) - x
         else:
-            step = points[-1][1] / rate if points and points[-1][0] == x else (
-                -aim * 2.0 ** (2 * zeros - 1) / rate if value == 0.0 else 0.05)
+            step = _epsilon_step(value, aim, zeros, rate)
         x = x + min(max(step, -0.05), 0.05)
         if not low < x < high and -math.inf < low and high < math.inf:
             x = 0.5 * (low + high)
     if not points:
         return None
     best = min(points, key=lambda point: abs(point[1]))
-    (x0, g0), (x1, g1) = sorted(points[-2:]) if len(points) >= 2 else ((0.0, 0.0), (0.0, 0.0))
-    return math.exp(best[0]), (g0 - g1) / (x1 - x0) if x1 > x0 and g0 > g1 else rate
+    if len(points) >= 2:
+        (x0, g0), (x1, g1) = sorted(points[-2:])
+        rate = (g0 - g1) / (x1 - x0) if x1 > x0 and g0 > g1 else rate
+    return math.exp(best[0]), rate
 
 
 #: :func:`_extrapolated_sigma`'s tolerance, a share of the aim: the extrapolation is
@@ -697,8 +697,14 @@ def _linear_step(known: dict, sigma: float, previous: float | None, aim: float, 
         if measured > 0:
             rate = measured
     zeros = sum(1 for epsilon in known.values() if epsilon == 0)
-    step = (value - aim if value > 0 else -aim * 2.0 ** (2 * zeros - 1)) / rate
-    return sigma * math.exp(min(max(step, -0.05), 0.05)), rate
+    return sigma * math.exp(min(max(_epsilon_step(value, aim, zeros, rate), -0.05), 0.05)), rate
+
+
+def _epsilon_step(value: float, aim: float, zeros: int, rate: float) -> float:
+    """The step in log sigma near zero from a point with epsilon ``value`` towards
+    ``aim`` at ``rate`` (-d epsilon / d log sigma); from a 0 (the ``zeros``-th point at
+    0), towards 2, 8, 32... times ``aim`` above 0. Callers clip it to 0.05."""
+    return (value - aim if value != 0.0 else -aim * 2.0 ** (2 * zeros - 1)) / rate
 
 
 def _solve(eps_of, target: float, start: float, close: bool = False, max_evaluations: int = 0,
