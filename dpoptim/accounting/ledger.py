@@ -183,7 +183,7 @@ FREE_MERGE_SHARE = 2e-4
 
 
 def coarsen_runs(runs, max_distinct: int | None = None, *, optimistic: bool = False,
-                 order: int = 2) -> list[tuple[float, float, int]]:
+                 order: int | tuple = 2) -> list[tuple[float, float, int]]:
     r"""``(sigma, q, count)`` per group of ``(sigma, q)`` pairs, at most ``max_distinct``
     groups (default :data:`MAX_DISTINCT_RUNS`).
 
@@ -203,10 +203,11 @@ def coarsen_runs(runs, max_distinct: int | None = None, *, optimistic: bool = Fa
     ordered by ``(q, sigma)`` and neighbouring groups merged greedily, cheapest first,
     where the cost of a group is what rounding adds to a proxy of its privacy loss
     (:func:`_step_costs`: by default the order-2 Renyi divergence of one step, which grows
-    like the variance of the privacy loss; at a higher integer ``order`` where the caller
-    knows which order decides epsilon). Merging stops once at most ``max_distinct`` groups are
-    left and the next merge would cost more than :data:`FREE_MERGE_SHARE` of the whole
-    ledger's cost, by this proxy or by the one for orders near 1 (:func:`_near_one_costs`).
+    like the variance of the privacy loss; at a higher integer ``order``, or a blend of
+    orders, where the caller knows which orders decide epsilon). Merging stops once at
+    most ``max_distinct`` groups are left and the next merge would cost more than
+    :data:`FREE_MERGE_SHARE` of the whole ledger's cost, by this proxy or by the one for
+    orders near 1 (:func:`_near_one_costs`).
     A step of negligible cost (one step at sigma = 100 after 50,000 at sigma = 1) is
     merged for free; a schedule that changes at every step loses only what the limit
     forces. The proxy only steers *which* pairs merge: soundness does not
@@ -230,7 +231,7 @@ def coarsen_runs(runs, max_distinct: int | None = None, *, optimistic: bool = Fa
 
 
 @functools.lru_cache(maxsize=64)
-def _coarsen(runs: tuple, max_distinct: int, optimistic: bool, order: int = 2) -> tuple:
+def _coarsen(runs: tuple, max_distinct: int, optimistic: bool, order: int | tuple = 2) -> tuple:
     special, groups = member_groups(runs, max_distinct, optimistic, order)
     out = list(special)
     for members in groups:
@@ -245,7 +246,8 @@ def _coarsen(runs: tuple, max_distinct: int, optimistic: bool, order: int = 2) -
 
 
 @functools.lru_cache(maxsize=64)
-def member_groups(runs: tuple, max_distinct: int, optimistic: bool = False, order: int = 2) -> tuple[tuple, tuple]:
+def member_groups(runs: tuple, max_distinct: int, optimistic: bool = False,
+                  order: int | tuple = 2) -> tuple[tuple, tuple]:
     """``(special, groups)``: the runs of ``sigma = 0`` or ``inf`` (kept as they are), and
     the groups :func:`coarsen_runs` forms of the others (at the proxy's ``order``), each
     a tuple of its distinct ``(sigma, q, count)`` members (equal pairs merged), at most
@@ -287,9 +289,11 @@ def _ordered_pairs(runs: tuple) -> tuple[tuple, tuple, tuple]:
     return special, items, tuple((key, _rounded_count(count)) for key, count in items)
 
 
-def _step_cost(sigma: float, q: float, order: int = 2) -> float:
+def _step_cost(sigma: float, q: float, order: int | tuple = 2) -> float:
     """:func:`_step_costs` of one pair, in scalar arithmetic at order 2 (the greedy merge's
     inner loop calls it a few thousand times; numpy's per-call cost would dominate)."""
+    if isinstance(order, tuple):  # a blend: see _step_costs
+        return sum(weight * _step_cost(sigma, q, part) for part, weight in order)
     if order != 2:
         return _step_cost_at(float(sigma), float(q), order)
     square = float(sigma) * float(sigma)
@@ -308,7 +312,7 @@ def _step_cost_at(sigma: float, q: float, order: int) -> float:
     return float(_step_costs(np.array([sigma]), np.array([q]), order)[0])
 
 
-def _step_costs(sigma: np.ndarray, q: np.ndarray, order: int = 2) -> np.ndarray:
+def _step_costs(sigma: np.ndarray, q: np.ndarray, order: int | tuple = 2) -> np.ndarray:
     r"""Proxy of one step's privacy cost, per pair: its Renyi divergence at ``order`` times
     ``order - 1``, the log of the moment :math:`A_\alpha` of the subsampled Gaussian
     (Mironov, Talwar & Zhang 2019), computed in logs so that it keeps growing as sigma
@@ -323,7 +327,12 @@ def _step_costs(sigma: np.ndarray, q: np.ndarray, order: int = 2) -> np.ndarray:
 
     Other integer orders take the binomial expansion :math:`A_\alpha = \sum_k
     \binom{\alpha}{k} (1-q)^{\alpha-k} q^k e^{k(k-1)/(2\sigma^2)}` (their Sec. 3.3), in logs;
-    its rounding is not bounded, as the proxy only steers the grouping."""
+    its rounding is not bounded, as the proxy only steers the grouping.
+
+    ``order`` may also be a blend, ``((order, weight), ...)``: the weighted sum of those
+    orders' proxies (:func:`~dpoptim.accounting.mixture.grouping_blend`)."""
+    if isinstance(order, tuple):
+        return sum(weight * _step_costs(sigma, q, part) for part, weight in order)
     with np.errstate(divide="ignore", over="ignore"):
         exponent = np.minimum(1.0 / (sigma * sigma), _LARGEST_EXPONENT)
         if order == 2:
@@ -345,7 +354,7 @@ _LARGEST_EXPONENT = 1e250
 
 
 @functools.lru_cache(maxsize=64)
-def _partition(items: tuple, max_distinct: int, order: int = 2) -> tuple:
+def _partition(items: tuple, max_distinct: int, order: int | tuple = 2) -> tuple:
     """Sizes of the consecutive groups :func:`_merge_groups` forms from ``items``."""
     return tuple(_merge_groups(list(items), max_distinct, order))
 
@@ -358,7 +367,7 @@ class _Groups:
     """Consecutive groups of ordered pairs: per group its size, step count, summed own
     cost ``sum c_r w_r``, smallest sigma and largest q."""
 
-    def __init__(self, items: list, order: int = 2):
+    def __init__(self, items: list, order: int | tuple = 2):
         self.order = order
         self.sizes = np.ones(len(items), dtype=np.int64)
         self.counts = np.array([count for _, count in items], dtype=float)
@@ -420,7 +429,7 @@ def _premerge(groups: _Groups, target: int) -> float:
 _PREMERGE_FACTOR = 4
 
 
-def _merge_groups(items: list, max_distinct: int, order: int = 2) -> list[int]:
+def _merge_groups(items: list, max_distinct: int, order: int | tuple = 2) -> list[int]:
     """Sizes of the groups formed by greedy agglomeration of neighbours in ``items``
     (``((sigma, q), count)``, ordered): a heap of neighbour merges by cost, stale
     entries skipped by version numbers; long ledgers are pre-merged by :func:`_premerge`.

@@ -139,7 +139,7 @@ from .gaussian import (
     mixture_epsilon_lower_bound,
 )
 from .ledger import MAX_DISTINCT_RUNS, Accountant, Ledger, Run, check_count, check_delta, coarsen_runs, member_groups
-from .mixture import MixtureGroup, better_than_corners, deciding_order, mixture_groups, mixture_rdp
+from .mixture import MixtureGroup, better_than_corners, grouping_blend, mixture_groups, mixture_rdp
 from .rdp import DEFAULT_ORDERS, conversion_terms, epsilon_from_rdp, ledger_rdp, rdp_subsampled_gaussian
 from .special import finite_abs, log_ndtr, ndtri
 
@@ -296,7 +296,7 @@ def _many_runs_lower(runs: tuple, delta: float, bound: float, max_groups: int | 
     reported = _pld_epsilon(runs, delta, None)
     if not bound < _LOOSE_SHARE * reported < math.inf:
         return bound
-    order = _deciding_order(counted) if distinct > limit else 2
+    order = _grouping_proxy(counted) if distinct > limit else 2
     steps = tuple(coarsen_runs(counted, limit, optimistic=True, order=order))
     for direction in (_REMOVE, _ADD):
         bound = max(bound, rare_lower.spread_lower_bound(steps, direction, delta, reported))
@@ -543,11 +543,11 @@ def _grouped(subsampled: list, max_groups: int | None, mu: float, lower: bool,
     (:mod:`.mixture`, the Gaussian step a group of its own) and their corners as steps.
     With the default limit, fewer mixture groups where they cost next to nothing
     (:func:`_fewest_groups`). Groups are formed by what they cost at the Renyi order that
-    decides epsilon (:func:`_deciding_order`)."""
+    decides epsilon, blended with order 2 at small q (:func:`_grouping_proxy`)."""
     limit = _limit(max_groups)
     runs = tuple(subsampled)
     pairs = len({run[:2] for run in runs})
-    order = _deciding_order(runs) if pairs > limit else 2
+    order = _grouping_proxy(runs) if pairs > limit else 2
     many = not lower and pairs > limit
     fewest, mixture = _fewest_groups(runs, limit, delta, order) if many and max_groups is None else (limit, None)
     steps = coarsen_runs(runs, fewest, optimistic=lower, order=order)
@@ -568,7 +568,7 @@ def _limit(max_groups: int | None) -> int:
     return ledger_module.MAX_DISTINCT_RUNS if max_groups is None else max_groups
 
 
-def _mixture(runs: tuple, limit: int, corners: list, order: int) -> tuple | None:
+def _mixture(runs: tuple, limit: int, corners: list, order: int | tuple) -> tuple | None:
     """The mixture groups of ``runs`` within ``limit`` transforms, formed by what they cost
     at the Renyi ``order``, or None where their corners (``corners``, :func:`coarsen_runs`
     at that limit) cost less."""
@@ -590,7 +590,7 @@ _FEWER_GROUPS_SHARE = 2.0**-10
 _RELEVANT_ORDERS = 2.0
 
 
-def _fewest_groups(runs: tuple, limit: int, delta: float, order: int) -> tuple[int, tuple | None]:
+def _fewest_groups(runs: tuple, limit: int, delta: float, order: int | tuple) -> tuple[int, tuple | None]:
     """``(groups, mixture)``: the first of :data:`_FEWER_GROUPS` (below ``limit``) whose
     mixture costs next to nothing more than the one on ``limit`` groups, else
     ``limit``; and that mixture where it was computed here (None where the choice was
@@ -625,7 +625,7 @@ def _fewest_groups(runs: tuple, limit: int, delta: float, order: int) -> tuple[i
     return _kept(_fewest_cache, key, found, _FEWEST_CACHE_ENTRIES), mixture
 
 
-def _fewest_of(runs: tuple, limit: int, delta: float, order: int) -> tuple[int, tuple | None]:
+def _fewest_of(runs: tuple, limit: int, delta: float, order: int | tuple) -> tuple[int, tuple | None]:
     """:func:`_fewest_groups`, computed."""
     chosen = limit, _mixture(runs, limit, coarsen_runs(runs, limit, order=order), order)
     if chosen[1] is None or max(run[1] for run in runs) > _FEWER_GROUPS_RATE:
@@ -691,7 +691,7 @@ def _ungrouped_split(subsampled: list, deltas: dict, shift: float, tried: bool, 
                                                                                                      delta), delta)):
         return None, nothing
     if grouped:
-        steps = tuple(coarsen_runs(subsampled, _UNGROUPED_SPLIT_PAIRS, order=_deciding_order(tuple(subsampled))))
+        steps = tuple(coarsen_runs(subsampled, _UNGROUPED_SPLIT_PAIRS, order=_grouping_proxy(tuple(subsampled))))
     guess = _rdp_guess(steps, delta)
     if not _beyond_body(steps, guess, delta):
         return None, nothing
@@ -730,13 +730,16 @@ _CORNERS_SLACK = 1.02
 
 
 @functools.lru_cache(maxsize=8)
-def _deciding_order(runs: tuple) -> int:
-    """The Renyi order at which a ledger of more pairs than the group limit weighs what
-    grouping costs (:func:`~dpoptim.accounting.mixture.deciding_order`, on the groups
-    the order-2 proxy forms), read at :data:`_DECIDING_DELTA`. Where rare losses decide,
-    order 2 spreads the groups evenly along a schedule and leaves its costliest stretch
-    coarse (6,536 pairs of 4 steps, sigma 2.78 to 0.57 with q 5.3e-3 to 3.6e-5, delta
-    3.1e-10: epsilon 1.0259, 0.8662 with the groups formed at order 7).
+def _grouping_proxy(runs: tuple) -> int | tuple:
+    """What a ledger of more pairs than the group limit weighs grouping by: the Renyi
+    order that decides epsilon (:func:`~dpoptim.accounting.mixture.deciding_order`, on
+    the groups the order-2 proxy forms), read at :data:`_DECIDING_DELTA`, blended with
+    order 2 and the orders near it where some q is small
+    (:func:`~dpoptim.accounting.mixture.grouping_blend`). Where rare
+    losses decide, order 2 alone spreads the groups evenly along a schedule and leaves
+    its costliest stretch coarse (6,536 pairs of 4 steps, sigma 2.78 to 0.57 with q
+    5.3e-3 to 3.6e-5, delta 3.1e-10: epsilon 1.0259, 0.8662 with the groups formed at
+    order 7).
 
     Not at the caller's delta: the order moves slowly with delta (the 6,536 pairs read
     order 7 at every delta from 1e-13 to 3e-4), but where it moves the groups change, and
@@ -745,10 +748,11 @@ def _deciding_order(runs: tuple) -> int:
     against 0.0020 between its neighbours 1.7% apart. Where the other order's groups are
     the tighter, epsilon would fall as delta falls; one order per ledger keeps it monotone
     in delta."""
-    return deciding_order(member_groups(runs, ledger_module.MAX_DISTINCT_RUNS, False)[1], _DECIDING_DELTA)
+    members = member_groups(runs, ledger_module.MAX_DISTINCT_RUNS, False)[1]
+    return grouping_blend(runs, members, _DECIDING_DELTA)
 
 
-#: The delta at which :func:`_deciding_order` reads a ledger's best order (whatever delta
+#: The delta at which :func:`_grouping_proxy` reads a ledger's best order (whatever delta
 #: the caller asks epsilon at).
 _DECIDING_DELTA = 1e-8
 
