@@ -333,7 +333,7 @@ def grouping_blend(runs: tuple, members: tuple, delta: float) -> int | tuple:
     epsilons = _corners_epsilons(members, delta)
     order = int(DECIDING_ORDERS[np.argmin(epsilons)])
     pairs = np.array([run[:3] for run in runs], dtype=float)
-    if order == 2 or pairs[:, 1].min() > BLENDED_RATE:
+    if order == 2 or pairs[:, 1].min() > BLENDED_RATE or not 0.0 < epsilons.min() < math.inf:
         return order
     shares = np.clip(1.0 - (epsilons / epsilons.min() - 1.0) / BLENDED_SPREAD, 0.0, 1.0)
     shares /= shares.sum()
