@@ -286,7 +286,7 @@ def _ordered_pairs(runs: tuple) -> tuple[tuple, tuple, tuple]:
         ((key, count) for key, count in merged.items() if 0.0 < key[0] < math.inf),
         key=lambda item: (item[0][1], item[0][0]),
     ))
-    return special, items, tuple((key, _rounded_count(count)) for key, count in items)
+    return special, items, tuple((key, _nearest_quarter_octave(count)) for key, count in items)
 
 
 def _step_cost(sigma: float, q: float, order: int | tuple = 2) -> float:
@@ -359,8 +359,9 @@ def _partition(items: tuple, max_distinct: int, order: int | tuple = 2) -> tuple
     return tuple(_merge_groups(list(items), max_distinct, order))
 
 
-def _rounded_count(count: float) -> float:
-    return 2.0 ** (round(4.0 * math.log2(count)) / 4.0)
+def _nearest_quarter_octave(value: float) -> float:
+    """``value`` (positive) rounded to the nearest power of 2^(1/4)."""
+    return 2.0 ** (round(4.0 * math.log2(value)) / 4.0)
 
 
 class _Groups:

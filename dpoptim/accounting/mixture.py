@@ -64,7 +64,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .ledger import _step_costs
+from .ledger import _nearest_quarter_octave, _step_costs
 from .rdp import conversion_terms
 from .special import log_ndtr
 
@@ -338,19 +338,15 @@ def grouping_blend(runs: tuple, members: tuple, delta: float) -> int | tuple:
     shares = np.clip(1.0 - (epsilons / epsilons.min() - 1.0) / BLENDED_SPREAD, 0.0, 1.0)
     shares /= shares.sum()
     whole = pairs[:, 2] @ _step_costs(pairs[:, 0], pairs[:, 1], 2)
-    parts = {2: _quarter_octave(1.0 + float(shares[0]))}  # (DECIDING_ORDERS starts at 2)
+    parts = {2: _nearest_quarter_octave(1.0 + float(shares[0]))}  # (DECIDING_ORDERS starts at 2)
     for part, share in zip(DECIDING_ORDERS[1:].astype(int), shares[1:]):
         if share > 0.0:
             with np.errstate(divide="ignore", invalid="ignore"):
                 weight = share * whole / (pairs[:, 2] @ _step_costs(pairs[:, 0], pairs[:, 1], int(part)))
             if not 0.0 < weight < math.inf:
                 return order
-            parts[int(part)] = _quarter_octave(weight)
+            parts[int(part)] = _nearest_quarter_octave(weight)
     return tuple(parts.items())
-
-
-def _quarter_octave(value: float) -> float:
-    return 2.0 ** (round(4.0 * math.log2(value)) / 4.0)
 
 
 def mixture_rdp(groups: tuple, orders: np.ndarray, curve) -> np.ndarray:
