@@ -641,9 +641,9 @@ def _extrapolated_sigma(start: float, aim: float, rate: float, q: float, steps: 
     :data:`_EXTRAPOLATED_TOLERANCE` of it), searched from ``start`` by secant steps on
     epsilon against log sigma (the first at ``rate``, -d epsilon / d log sigma, as past a
     0: :func:`_epsilon_step`; each at most 0.05 in log sigma, bisecting a bracket where
-    one falls outside), up to :data:`_EXTRAPOLATED_EVALUATIONS`; the rate between its last two points (``rate``
-    without two). Its point nearest ``aim`` once out of evaluations; None where it
-    found no finite nonzero value."""
+    one falls outside), up to :data:`_EXTRAPOLATED_EVALUATIONS`; the rate between its
+    last two points (``rate`` without two). Its point nearest ``aim`` once out of
+    evaluations; None where it found no finite nonzero value."""
     x, zeros, points, low, high = math.log(start), 0, [], -math.inf, math.inf  # value above aim at low, below at high
     for _ in range(_EXTRAPOLATED_EVALUATIONS):
         value = _extrapolated_epsilon(math.exp(x), q, steps, delta)

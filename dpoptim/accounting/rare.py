@@ -108,9 +108,9 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, agai
     below it is not sized anew (the caller needs no smaller one). ``coarser``: receives,
     under ``direction``, the sound answer on bins coarser than the spread asks where
     those did not settle it and the asked ones do not fit (:class:`_Unsettled`). On
-    :data:`_MAX_POINTS` points the bulk of one run may be put on two scales (:mod:`.twoscale`); not for a
-    first look on fewer, where the grids answered quickly without it (sigma 0.95, q
-    2.9e-5, 301,604 steps: 0.07 s, against 0.6 s with it)."""
+    :data:`_MAX_POINTS` points the bulk of one run may be put on two scales
+    (:mod:`.twoscale`); not for a first look on fewer, where the grids answered quickly
+    without it (sigma 0.95, q 2.9e-5, 301,604 steps: 0.07 s, against 0.6 s with it)."""
     if not (1e-100 < guess < math.inf) or not steps:
         return None  # (below 1e-100 the grid's squared scale would underflow)
     total = sum(count for _, _, count in steps)
