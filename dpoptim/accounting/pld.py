@@ -273,8 +273,8 @@ def _many_runs_lower(runs: tuple, delta: float, bound: float, max_groups: int | 
     bounded with up to :data:`_MANY_GROUPS` groups on :data:`_MANY_GROUPS_GRID` points:
     there the 64 groups lose more than a coarser grid does (6,536 pairs of 4 steps, sigma
     2.78 to 0.57 while q falls from 5.3e-3 to 3.6e-5, delta 3.1e-10: 0.7964 on 64 groups,
-    0.8216 on 256 groups and 2^18 points in 35 s more, against the reported 0.8662 and
-    0.8339 on 1,024 transforms).
+    0.8216 on 256 groups and 2^18 points in 35 s more, against the reported 0.8830
+    (0.8662 before the blend of orders) and 0.8339 on 1,024 transforms).
 
     Where the bound is then still more than 1% below the reported epsilon, and more
     groups did not raise it, the ledger is also bounded with its bulk kept
