@@ -3205,3 +3205,54 @@ def test_a_ledger_beyond_the_group_limit_is_also_bounded_with_a_group_a_pair(mon
     assert bound == pld_module._pld_epsilon(runs, 3.1e-10, 2**16, lower=True, max_groups=100)
     assert_bracketed(pld_epsilon(runs, 3.1e-10), bound, rel=1e-3)
     assert bound > grouped * 1.01
+
+
+def _near_zero_stand_in(sigma: float) -> float:
+    """A stand-in for the accountant near its zero: 0 above sigma 0.3, convex below."""
+    gap = max(math.log(0.3 / sigma), 0.0)
+    return 0.06 * gap + 4.0 * gap * gap
+
+
+@pytest.mark.parametrize("above", [1.04, 1.5, 0.7])
+def test_the_offset_step_lands_where_a_grid_a_constant_above_meets_the_aim(monkeypatch, above):
+    # The grid lies a constant (five times the aim) above the accountant, as near the
+    # zero: moved by its offset at the first point, it finds where the accountant meets
+    # the aim, where a step at a rate 10% off the accountant's lands outside the band.
+    aim = 1e-4
+    monkeypatch.setattr(calibrate_module, "coarse_epsilon",
+                        lambda runs, delta, points: _near_zero_stand_in(runs[0][0]) + 5.0 * aim)
+    gap = (-0.06 + math.sqrt(0.06**2 + 16.0 * above * aim)) / 8.0  # the stand-in is above * aim there
+    sigma = 0.3 * math.exp(-gap)
+    value = _near_zero_stand_in(sigma)
+    rate = 0.9 * (0.06 + 8.0 * gap)  # -d epsilon / d log sigma there, 10% low
+    guessed = sigma * math.exp((value - aim) / rate)
+    assert abs(_near_zero_stand_in(guessed) / aim - 1.0) > calibrate_module._CALIBRATION_TOLERANCE / 2
+    found, measured = calibrate_module._offset_step(sigma, value, rate, aim, 1e-5, 1000, 1e-3)
+    assert abs(_near_zero_stand_in(found) / aim - 1.0) <= calibrate_module._OFFSET_TOLERANCE
+    middle = math.log(0.3 / found)  # the rate across the last step: about the rate near the answer
+    assert measured == pytest.approx(0.06 + 8.0 * middle, rel=0.05)
+
+
+@pytest.mark.parametrize("grid", [
+    lambda sigma: 0.0,
+    lambda sigma: _near_zero_stand_in(sigma) + 5e-4 + (2e-3 if sigma > 0.2935 else 0.0),
+])
+def test_the_offset_step_gives_up_on_a_zero_or_a_jump_of_the_grid(monkeypatch, grid):
+    # A grid at 0 says nothing of the offset; one that jumps across the step (where its
+    # spacing changes) has a rate far off the accountant's: the caller's rate steps instead.
+    monkeypatch.setattr(calibrate_module, "coarse_epsilon", lambda runs, delta, points: grid(runs[0][0]))
+    sigma = 0.293
+    value = _near_zero_stand_in(sigma)
+    assert calibrate_module._offset_step(sigma, value, 0.25, 1e-4, 1e-5, 1000, 1e-3) is None
+
+
+def test_near_zero_the_second_accountant_point_lands_in_the_band(monkeypatch):
+    # q 1.58e-5 over 10,640 steps, delta 4.5e-3: the first point lies a few percent from
+    # the target, and a step at the rate guessed from afar missed the band of 0.2% (three
+    # evaluations of the accountant). Moved by its offset there, the grid of 2^16 points
+    # steers the second into the band.
+    calls, accountant = count_accountant_calls(monkeypatch)
+    target, delta, q, steps = 2.2061913682498791e-4, 4.483161842552616e-3, 1.5832601282022782e-5, 10640
+    sigma = calibrate_noise(target, delta, q, steps)
+    assert target * 0.998 <= accountant([(sigma, q, steps)], delta) <= target
+    assert sigma in calls and len(calls) <= 2, calls

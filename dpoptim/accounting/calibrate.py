@@ -237,8 +237,8 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
     (:class:`_Model`, smooth in sigma where the accountant's grid moves), then at the model
     scaled to that value (:func:`_modelled_start`), once at it times its drifting ratio
     (:meth:`_Model.drifting`), then secant steps on log epsilon against log sigma. Near
-    epsilon's zero (:func:`_near_zero_rate`; or a 0 at the model's answer,
-    :func:`_zero_side_rate`) secants on epsilon itself (:func:`_linear_step`, up to eight).
+    epsilon's zero (:func:`_near_zero_rate`, or a 0 at the model's answer) secants on epsilon
+    itself (:func:`_linear_step`, up to eight; from one point, :func:`_offset_step`).
     :func:`_illinois` narrows a bracket (to :data:`_JUMP_RESOLUTION`). ``first``: ``(sigma,
     slope, value)`` (:func:`_clt_start`), no model. Only evaluated points are returned."""
     known: dict[float, float] = {}
@@ -249,16 +249,16 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
             known[sigma] = eps_of(sigma)
         return known[sigma]
 
-    floor = target * (1.0 - _CALIBRATION_TOLERANCE)
-    aim = target * (1.0 - _CALIBRATION_TOLERANCE / 2)
+    floor, aim = target * (1.0 - _CALIBRATION_TOLERANCE), target * (1.0 - _CALIBRATION_TOLERANCE / 2)
     rate = None if first is not None else _near_zero_rate(start, q, steps, delta)  # near zero: -d eps / d log sigma
+    offset = functools.partial(_offset_step, aim=aim, q=q, steps=steps, delta=delta)
     if first is not None:  # the accountant's first point, slope and value are given
         (sigma, slope, known[sigma]), previous = first, None
     elif rate is not None:  # the model's scaling suits a relative error, not the additive one here
         start, rate = _near_zero_start(start, aim, rate, q, steps, delta)
         if floor <= accountant(start) <= target:
             return start
-        (sigma, rate), previous, slope = _linear_step(known, start, None, aim, rate), start, _STEEP
+        (sigma, rate), previous, slope = _linear_step(known, start, None, aim, rate, offset), start, _STEEP
     else:
         model = _Model(start, coarse_epsilon([(start, q, steps)], delta, _COARSE_GRID), aim, q, steps, delta)
         sigma, slope, previous = _modelled_start(accountant, start, (floor, target), model)
@@ -277,9 +277,9 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
             continue
         if bracket is not None:
             earlier = list(known)
-            return _illinois(accountant, target, floor, *bracket, earlier, _JUMP_RESOLUTION, rate)
+            return _illinois(accountant, target, floor, *bracket, earlier, _JUMP_RESOLUTION, rate, offset)
         if rate is not None:  # near zero, epsilon is about linear in sigma: secant steps on it
-            previous, (sigma, rate) = sigma, _linear_step(known, sigma, previous, aim, rate)
+            previous, (sigma, rate) = sigma, _linear_step(known, sigma, previous, aim, rate, offset)
             if sigma in known:
                 break
             continue
@@ -683,10 +683,12 @@ _EXTRAPOLATED_EVALUATIONS = 8
 _NEAR_ZERO_REACH = 0.7
 
 
-def _linear_step(known: dict, sigma: float, previous: float | None, aim: float, rate: float) -> tuple:
+def _linear_step(known: dict, sigma: float, previous: float | None, aim: float, rate: float, offset=None) -> tuple:
     """``(next sigma, rate)``: a secant step of :func:`_finish` near zero, on epsilon
     itself against log sigma. ``rate`` (-d epsilon / d log sigma) is re-measured between
-    ``previous`` and ``sigma`` where both have a finite positive epsilon. At epsilon 0
+    ``previous`` and ``sigma`` where both have a finite positive epsilon; from a single
+    such point, ``offset`` (:func:`_offset_step`, with ``aim`` and the run) steps instead
+    where it finds a point. At epsilon 0
     the step aims at twice ``aim`` above 0, four times further with each point at 0 (how
     far below the accountant's 0 lies is unknown; the next point likely brackets the
     answer, and points at 0 cost little). Steps are at most 0.05 in log sigma: epsilon
@@ -696,8 +698,61 @@ def _linear_step(known: dict, sigma: float, previous: float | None, aim: float, 
         measured = (known[previous] - value) / math.log(sigma / previous)
         if measured > 0:
             rate = measured
+    elif offset is not None and 0 < value < math.inf:
+        found = offset(sigma, value, rate)
+        if found is not None:
+            return found
     zeros = sum(1 for epsilon in known.values() if epsilon == 0)
     return sigma * math.exp(min(max(_epsilon_step(value, aim, zeros, rate), -0.05), 0.05)), rate
+
+
+def _offset_step(sigma: float, value: float, rate: float, aim: float, q: float, steps: int,
+                 delta: float) -> tuple | None:
+    """``(sigma, rate)``: where the accountant's epsilon, ``value`` at ``sigma``, meets
+    ``aim`` near its zero, by the coarse PLD on the finest of
+    :data:`_EXTRAPOLATION_GRIDS` moved by its offset from the accountant at ``sigma``
+    (secant steps from ``rate``, -d epsilon / d log sigma, to within
+    :data:`_OFFSET_TOLERANCE` of ``aim``, up to :data:`_OFFSET_EVALUATIONS`), and that
+    PLD's rate over its last step; None where its value is 0 or infinite, or its rate
+    more than :data:`_OFFSET_RATES` times off ``rate`` (a jump of its grid).
+
+    Near the zero each grid lies above the accountant by about a constant
+    (:func:`_extrapolated_epsilon`), so its rate is the accountant's, measured across the
+    step itself: ``rate`` is a guess from afar. At q 2.03e-6 over 1532 steps (delta
+    2.51e-3, target 4.16e-4, 4% below the first point) the accountant's rate across the
+    step was 0.0621; the search's guess, 0.0558 (from the extrapolation's last points),
+    landed 0.5% below the aim, outside the band, and a third evaluation followed. The
+    grid of 2^16 points gives 0.0626 across the step and lands 0.03% from the aim."""
+    def grid(x: float) -> float:
+        return coarse_epsilon([(math.exp(x), q, steps)], delta, _EXTRAPOLATION_GRIDS[-1])
+
+    x = math.log(sigma)
+    at = grid(x)
+    wanted = at + aim - value  # the grid's value where the accountant's is aim
+    if not 0.0 < at < math.inf or wanted <= 0.0:
+        return None
+    measured = rate
+    for _ in range(_OFFSET_EVALUATIONS):
+        step = min(max((at - wanted) / measured, -0.05), 0.05)
+        value = grid(x + step)
+        if step == 0.0 or not 0.0 < value < math.inf:
+            return None
+        x, at, measured = x + step, value, (at - value) / step
+        if not 1.0 / _OFFSET_RATES < measured / rate < _OFFSET_RATES:
+            return None
+        if abs(at - wanted) <= _OFFSET_TOLERANCE * aim:
+            break
+    return math.exp(x), measured
+
+
+#: :func:`_offset_step`'s tolerance, a share of the aim: a tenth of the band's half width.
+_OFFSET_TOLERANCE = 1e-4
+
+#: :func:`_offset_step`'s most evaluations.
+_OFFSET_EVALUATIONS = 4
+
+#: :func:`_offset_step` gives up where the grid's rate is more than this many times off the guess.
+_OFFSET_RATES = 3.0
 
 
 def _epsilon_step(value: float, aim: float, zeros: int, rate: float) -> float:
@@ -794,7 +849,7 @@ def _solve_with(f, target: float, floor: float, start: float, close: bool, slope
 
 
 def _illinois(f, target: float, floor: float, low: float, high: float, earlier=(),
-              resolution: float = 1e-12, rate: float | None = None) -> float:
+              resolution: float = 1e-12, rate: float | None = None, offset=None) -> float:
     """Illinois regula falsi on a decreasing g(x) that is 0 in the middle of the accepted
     band, x = log sigma, from the bracket ``low`` (infeasible) .. ``high`` (feasible), so
     that a hit lands inside the band; returns a feasible evaluated sigma. From three
@@ -803,14 +858,15 @@ def _illinois(f, target: float, floor: float, low: float, high: float, earlier=(
 
     g is log epsilon - log aim, except near the sigma where epsilon reaches 0
     (:func:`_near_zero`), where g is epsilon / aim - 1: epsilon is near linear there, its
-    logarithm not. ``resolution``: the search ends with the feasible end once the bracket
-    is this narrow in log sigma, after one more interpolated point (a steep slope, not a
-    jump, may hold the band); near zero, where a tiny step in sigma moves epsilon a lot,
-    this divided by half the least slope of g seen across the bracket. ``rate`` (-d
-    epsilon / d log sigma, for :func:`_bracket_step`): the bracket lies there (too narrow
-    for :func:`_near_zero`: 1.4e-5 in log sigma at q 2.1e-5, 1.9e7 steps, delta 0.04)."""
-    aim = target * (1.0 - _CALIBRATION_TOLERANCE / 2)
-    linear = [False]
+    logarithm not. ``resolution``: the search ends with the feasible end once the bracket is
+    this narrow in log sigma, after one more interpolated point (a steep slope, not a jump,
+    may hold the band); near zero, where a tiny step in sigma moves epsilon a lot, this
+    divided by half the least slope of g seen across the bracket. ``rate`` (-d epsilon / d
+    log sigma, for :func:`_bracket_step`, with ``offset``, :func:`_offset_step`): the
+    bracket lies there (too narrow for :func:`_near_zero`: 1.4e-5 in log sigma at q 2.1e-5,
+    1.9e7 steps, delta 0.04)."""
+    aim, linear = target * (1.0 - _CALIBRATION_TOLERANCE / 2), [False]
+    single = offset and rate and (lambda x, value: offset(math.exp(x), aim * (value + 1.0), rate))
 
     def g(sigma: float) -> float:
         value = f(sigma)
@@ -819,8 +875,7 @@ def _illinois(f, target: float, floor: float, low: float, high: float, earlier=(
         return (math.log(value / aim) if 0 < value < math.inf else (-745.0 if value == 0 else 745.0))
 
     ends = [low, high]  # the evaluated sigmas at the bracket's ends
-    # every point evaluated, in order (``earlier``: sigmas evaluated before, oldest first)
-    history = [sigma for sigma in earlier if sigma not in (low, high)] + [low, high]
+    history = [sigma for sigma in earlier if sigma not in (low, high)] + [low, high]  # all evaluated, oldest first
     side, slope, g_low, g_high, last_try = 0, math.inf, 0.0, 0.0, False
     for _ in range(200):
         x_low, x_high = math.log(ends[0]), math.log(ends[1])
@@ -837,7 +892,7 @@ def _illinois(f, target: float, floor: float, low: float, high: float, earlier=(
         # Near zero, points at epsilon 0 say only that sigma_0 lies below them.
         usable = [sigma for sigma in history if not linear[0] or 0 < f(sigma) < math.inf]
         x = _bracket_step([(math.log(sigma), g(sigma)) for sigma in usable[-3:]], (x_low, g_low), (x_high, g_high),
-                          linear[0], math.isinf(f(ends[0])) or f(ends[1]) == 0, rate and rate / aim)
+                          linear[0], math.isinf(f(ends[0])) or f(ends[1]) == 0, rate and rate / aim, single)
         sigma = math.exp(x)
         history.append(sigma)
         if f(sigma) > target:
@@ -892,7 +947,7 @@ def _falls_steeply(larger: float, smaller: float, width: float) -> bool:
 
 
 def _bracket_step(points: list, low: tuple, high: tuple, linear: bool, open_end: bool,
-                  rate: float | None = None) -> float:
+                  rate: float | None = None, single=None) -> float:
     """:func:`_illinois`' next x inside the bracket ``low`` .. ``high`` (``(x, g)`` at its
     ends, g halved by Illinois where an end got stale).
 
@@ -900,9 +955,10 @@ def _bracket_step(points: list, low: tuple, high: tuple, linear: bool, open_end:
     positive epsilon, left of the root, where log epsilon falls steeply between them:
     the convex epsilon's secants land a little short of it, so each step stays
     infeasible or lands in the band, closing in superlinearly (a parabola through three
-    can overshoot far into the zeros); from a single such point, a step at ``rate`` (-dg
-    / dx, where given: bisecting towards a 0 from 1.09 times the target, 1% of sigma above
-    the answer, landed at 0.45 times it). Elsewhere the parabola through the last three
+    can overshoot far into the zeros); from a single such point, the step ``single``
+    finds from it (``(x, g) -> (sigma, rate)`` or None, :func:`_offset_step`), else a
+    step at ``rate`` (-dg / dx, where given: bisecting towards a 0 from 1.09 times the
+    target, 1% of sigma above the answer, landed at 0.45 times it). Elsewhere the parabola through the last three
     points where it falls inside. Failing that, regula falsi on
     the ends, or a bisection where an end's epsilon is 0 or infinite (``open_end``: it
     says little of the slope). Steps keep a margin of 1e-3 of the bracket from its ends
@@ -918,7 +974,8 @@ def _bracket_step(points: list, low: tuple, high: tuple, linear: bool, open_end:
         if x_low < x <= x_high - margin:
             return x
     if linear and len(points) == 1 and rate:
-        x = points[0][0] + points[0][1] / rate
+        found = single(*points[0]) if single else None  # (x, rate) or None
+        x = math.log(found[0]) if found else points[0][0] + points[0][1] / rate
         if x_low < x <= x_high - margin:
             return x
     x = _inverse_quadratic(points) if not linear else math.nan
