@@ -315,6 +315,7 @@ def main(argv=None) -> int:
                                     (1.602e-4, 1.39e-8, 8.13e-5, 88_936_800),
                                     (1e-4, 1e-5, 1e-6, 30),  # tiny q, few steps: addition settled coarse
                                     (8.857e-4, 0.0191, 8.9027e-6, 3399),  # near where epsilon reaches 0
+                                    (4.1624e-4, 2.5064e-3, 2.0318e-6, 1532),  # ... stepped from its first point
                                     (2.7272e-4, 0.040257, 4.6256e-6, 6_168_826),  # ... with wide tails
                                     (2.96, 1.6e-12, 2e-5, 83_000_000)):  # a rare loss over 10^8 steps: two scales
         if args.only and args.only not in "calibrate":
