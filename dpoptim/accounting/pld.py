@@ -685,13 +685,14 @@ def _ungrouped_split(subsampled: list, deltas: dict, shift: float, tried: bool, 
     if not tried or pairs <= _limit(max_groups):
         return None, nothing
     delta = min(deltas.values())
-    grouped = pairs > _UNGROUPED_SPLIT_PAIRS
+    most = _split_pairs(max_groups)
+    grouped = pairs > most
     # (the groups' corners only filter, with slack: the split's own groups decide below)
     if grouped and not (_GROUPED_SPLIT and _beyond_body(tuple(corners), _CORNERS_SLACK * _rdp_guess(tuple(corners),
                                                                                                      delta), delta)):
         return None, nothing
     if grouped:
-        steps = tuple(coarsen_runs(subsampled, _UNGROUPED_SPLIT_PAIRS, order=_grouping_proxy(tuple(subsampled))))
+        steps = tuple(coarsen_runs(subsampled, most, order=_grouping_proxy(tuple(subsampled))))
     guess = _rdp_guess(steps, delta)
     if not _beyond_body(steps, guess, delta):
         return None, nothing
@@ -716,8 +717,20 @@ def _ungrouped_split(subsampled: list, deltas: dict, shift: float, tried: bool, 
 _UNGROUPED_SPLIT_PAIRS = 128
 _UNGROUPED_SPLIT_POINTS = 2**17
 
-#: Whether a ledger of more pairs than that is split grouped into that many (tests of the
-#: mixture groups' own mechanism turn it off).
+
+def _split_pairs(max_groups: int | None) -> int:
+    """The most pairs :func:`_ungrouped_split` splits (a ledger of more, grouped into that
+    many): :data:`_UNGROUPED_SPLIT_PAIRS` under the default group limit; under a larger
+    limit of the caller's choice, twice that limit, up to :data:`_MOST_SPLIT_PAIRS`."""
+    return min(max(_UNGROUPED_SPLIT_PAIRS, 2 * _limit(max_groups)), _MOST_SPLIT_PAIRS)
+
+
+#: :func:`_split_pairs`' cap: 256 pairs' bulks took at most 1.0 GB (12 random ledgers of
+#: 228 to 1,908 pairs at q 1.8e-6 to 6.2e-4), 500 pairs up to 4.4 GB.
+_MOST_SPLIT_PAIRS = 256
+
+#: Whether a ledger of more pairs than :func:`_split_pairs` gives is split grouped into
+#: that many (tests of the mixture groups' own mechanism turn it off).
 _GROUPED_SPLIT = True
 
 #: The slack of the cheap first test, on the mixture groups' corners, of whether a rare
@@ -4561,7 +4574,9 @@ class PLDAccountant(Accountant):
             changing schedule loses next to nothing by them: :func:`_fewest_groups`).
             Each group costs one transform per direction; more groups give a tighter
             epsilon for long schedules at proportional cost (``docs/accounting.md``
-            measures it). A value given is used as it is.
+            measures it). A value given is used as it is; above 64, where a rare loss
+            decides epsilon, the split of :mod:`.rare` also takes twice as many pairs,
+            up to 256 (:func:`_split_pairs`).
 
     >>> acc = PLDAccountant().compose(1.1, 0.004, count=10_000)
     >>> round(acc.get_epsilon(1e-5), 2)
