@@ -688,10 +688,10 @@ def _linear_step(known: dict, sigma: float, previous: float | None, aim: float, 
     itself against log sigma. ``rate`` (-d epsilon / d log sigma) is re-measured between
     ``previous`` and ``sigma`` where both have a finite positive epsilon; from a single
     such point, ``offset`` (:func:`_offset_step`, with ``aim`` and the run) steps instead
-    where it finds a point. At epsilon 0
-    the step aims at twice ``aim`` above 0, four times further with each point at 0 (how
-    far below the accountant's 0 lies is unknown; the next point likely brackets the
-    answer, and points at 0 cost little). Steps are at most 0.05 in log sigma: epsilon
+    where it finds a point. At epsilon 0 the step aims at twice ``aim`` above 0, four
+    times further with each point at 0 (how far below the accountant's 0 lies is
+    unknown; the next point likely brackets the answer, and points at 0 cost little).
+    Steps are at most 0.05 in log sigma: epsilon
     is near linear only within 2% of where it reaches 0."""
     value = known[sigma]
     if previous is not None and 0 < known[previous] < math.inf and 0 < value < math.inf:
@@ -734,10 +734,10 @@ def _offset_step(sigma: float, value: float, rate: float, aim: float, q: float, 
     measured = rate
     for _ in range(_OFFSET_EVALUATIONS):
         step = min(max((at - wanted) / measured, -0.05), 0.05)
-        value = grid(x + step)
-        if step == 0.0 or not 0.0 < value < math.inf:
+        there = grid(x + step)
+        if step == 0.0 or not 0.0 < there < math.inf:
             return None
-        x, at, measured = x + step, value, (at - value) / step
+        x, at, measured = x + step, there, (at - there) / step
         if not 1.0 / _OFFSET_RATES < measured / rate < _OFFSET_RATES:
             return None
         if abs(at - wanted) <= _OFFSET_TOLERANCE * aim:
@@ -958,11 +958,12 @@ def _bracket_step(points: list, low: tuple, high: tuple, linear: bool, open_end:
     can overshoot far into the zeros); from a single such point, the step ``single``
     finds from it (``(x, g) -> (sigma, rate)`` or None, :func:`_offset_step`), else a
     step at ``rate`` (-dg / dx, where given: bisecting towards a 0 from 1.09 times the
-    target, 1% of sigma above the answer, landed at 0.45 times it). Elsewhere the parabola through the last three
-    points where it falls inside. Failing that, regula falsi on
-    the ends, or a bisection where an end's epsilon is 0 or infinite (``open_end``: it
-    says little of the slope). Steps keep a margin of 1e-3 of the bracket from its ends
-    (a secant near zero only from the low end: a feasible end at 0 may lie far off)."""
+    target, 1% of sigma above the answer, landed at 0.45 times it). Elsewhere the
+    parabola through the last three points where it falls inside. Failing that, regula
+    falsi on the ends, or a bisection where an end's epsilon is 0 or infinite
+    (``open_end``: it says little of the slope). Steps keep a margin of 1e-3 of the
+    bracket from its ends (a secant near zero only from the low end: a feasible end at 0
+    may lie far off)."""
     (x_low, g_low), (x_high, g_high) = low, high
     margin = 1e-3 * (x_high - x_low)
     if linear and len(points) >= 2:
