@@ -726,7 +726,8 @@ def _split_pairs(max_groups: int | None) -> int:
 
 
 #: :func:`_split_pairs`' cap: 256 pairs' bulks took at most 1.0 GB (12 random ledgers of
-#: 228 to 1,908 pairs at q 1.8e-6 to 6.2e-4), 500 pairs up to 4.4 GB.
+#: 228 to 1,908 pairs at q 1.8e-6 to 6.2e-4; 1.75 GB for 250 pairs of 1000 steps at q
+#: 1e-5 to 1e-4), 500 pairs up to 4.4 GB.
 _MOST_SPLIT_PAIRS = 256
 
 #: Whether a ledger of more pairs than :func:`_split_pairs` gives is split grouped into
