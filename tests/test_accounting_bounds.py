@@ -2233,6 +2233,22 @@ def test_a_bracket_step_near_zero_from_one_positive_point_takes_the_rate():
     assert bisected == pytest.approx(0.5 * (x_low + x_high))
 
 
+def test_a_bracket_step_near_zero_from_one_positive_point_takes_the_offset_steps_point():
+    # The same bracket: where the offset step (the grid moved by its offset from the
+    # accountant) finds a point, the step goes there; where it finds none, at the rate.
+    x_low, x_high = math.log(0.5207), math.log(0.5393)
+    g_low = 0.09
+    asked = []
+    for found, expected in (((0.5250, 35.0), math.log(0.5250)), (None, x_low + g_low / 40.0)):
+        def single(x, g, found=found):
+            asked.append((x, g))
+            return found
+
+        x = calibrate_module._bracket_step([(x_low, g_low)], (x_low, g_low), (x_high, -1.0), True, True, 40.0, single)
+        assert x == pytest.approx(expected)
+    assert asked == [(x_low, g_low)] * 2
+
+
 def test_near_zero_the_splits_answer_on_coarser_bins_stands_beside_the_grids():
     # sigma 0.308, q 4.4e-6, 945 steps, delta 1.3e-3 (epsilon near 0): the split tried
     # first answers 3.4337e-4 on bins coarser than its spread asks, where doubling them
