@@ -247,9 +247,9 @@ def test_far_beyond_the_body_the_grid_is_sized_by_the_tilted_shift(monkeypatch):
     monkeypatch.setattr(pld_module, "_split_first", lambda *args, **kwargs: None)  # the grid's own path
     monkeypatch.setattr(pld_module, "_compose_on",
                         lambda s, d, grid, **kw: sizes.append(grid.n) or compose_on(s, d, grid, **kw))
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     pld_epsilon([(0.57502, 1e-6, 1000)], 1e-12)
-    pld_module._pld_epsilon.cache_clear()  # no value of the grid's path alone outlives the test
+    pld_module._noted_pld_epsilon.cache_clear()  # no value of the grid's path alone outlives the test
     assert sizes and max(sizes) <= 2**16, sizes
     # At a tilt of 128 over 10^4 steps the tilted test still asks for a fine grid: without
     # the tilt, 2^14 points left epsilon 0.74% above the 2^18-point value.
@@ -293,15 +293,14 @@ def count_accountant_calls(monkeypatch):
     """``(calls, accountant)``: the noise multipliers calibration evaluates with the PLD
     accountant from now on, and the accountant itself (uncounted)."""
     calls = []
-    accountant = calibrate_module.epsilon_of_ledger
+    searched = calibrate_module.search_epsilon
 
-    def counted(runs, delta, name="pld"):
-        if name == "pld" and runs[0][0] > 0:
-            calls.append(runs[0][0])
-        return accountant(runs, delta, name)
+    def counted(runs, delta, narrower=True):
+        calls.append(runs[0][0])
+        return searched(runs, delta, narrower)
 
-    monkeypatch.setattr(calibrate_module, "epsilon_of_ledger", counted)
-    return calls, accountant
+    monkeypatch.setattr(calibrate_module, "search_epsilon", counted)
+    return calls, calibrate_module.epsilon_of_ledger
 
 
 def test_calibration_at_a_tiny_sample_rate_takes_few_accountant_evaluations(monkeypatch):
@@ -664,9 +663,9 @@ def test_a_ledger_beyond_the_group_limit_is_split_on_its_own_pairs(monkeypatch):
     # groups, bracketed by the rigorous lower bound of the same split.
     runs = tuple((0.6 + 0.005 * i, 1e-6 * (1 + 0.01 * i), 40_000) for i in range(70))
     answered = _recorded_splits(monkeypatch)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     upper = epsilon_of_ledger(runs, 1e-12)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     assert answered and answered[0][0] is not None and upper == answered[0][0]["remove"]
     assert_bracketed(upper, rare_lower.split_lower_bound(runs, "remove", 1e-12, upper), rel=0.01)
 
@@ -685,15 +684,15 @@ def test_where_the_split_of_the_pairs_fails_its_first_answer_sizes_the_groups_gr
             grids.append(grid.n)
         return compose(steps, deltas, grid, **k)
     monkeypatch.setattr(pld_module, "_compose_on", composed)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     upper = epsilon_of_ledger(runs, 1e-6)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     assert hints[0][0] is None and upper < hints[0][1][0] < 1.05 * upper
     assert grids == [2**19]
     grids.clear()  # without the hint: within 0.1% (refined by the first grid's tilt), after a grid the RDP guess sized
     monkeypatch.setattr(pld_module, "_ungrouped_split", lambda *a: (None, (math.inf, {})))
     assert epsilon_of_ledger(runs, 1e-6) == pytest.approx(upper, rel=1e-3) and grids == [2**16, 2**18]
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
 
 
 def test_a_split_whose_coarser_window_is_far_too_wide_builds_no_bulk_on_the_finer_bins(monkeypatch):
@@ -748,9 +747,9 @@ def test_beyond_the_body_the_split_answers_before_any_grid(monkeypatch):
     composed = []
     compose_on = pld_module._compose_on
     monkeypatch.setattr(pld_module, "_compose_on", lambda *a, **k: composed.append(1) or compose_on(*a, **k))
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     value = pld_epsilon([(0.6612345, 1e-6, 10**6)], 1e-12)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     assert 0.08 < value < 0.09 and not composed
 
 
@@ -784,12 +783,12 @@ def test_addition_below_removal_is_settled_on_a_coarse_grid_first(monkeypatch):
     assert [d for d, _ in guesses] == ["remove", "add"]
     assert guesses[1][1] == pytest.approx(64 * found["remove"])
     monkeypatch.undo()
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     reported = pld_epsilon(runs, 1e-5)
     monkeypatch.setattr(pld_module, "_split_first", lambda *args, **kwargs: None)  # the grids' path, as before
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     grids = pld_epsilon(runs, 1e-5)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     assert reported == pytest.approx(found["remove"], rel=1e-9)
     assert reported <= grids  # 9.9911e-5 against 9.9947e-5 (the lower bound: 9.951e-5, at 2^20 points)
 
@@ -802,15 +801,15 @@ def test_where_the_largest_grid_still_spreads_the_loss_the_split_answers_beside_
     # finer on as many points.
     runs = ((0.501, 1.52e-6, 10**7),)
     delta = 9.8e-5
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     reported = pld_epsilon(runs, delta)
     monkeypatch.setattr(pld_module, "_side_by_side", lambda: False)  # one direction after the other
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     assert pld_epsilon(runs, delta) == reported
     monkeypatch.setattr(pld_module, "_split_beside", lambda steps, deltas, epsilons, *a: epsilons)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     grid = pld_epsilon(runs, delta)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     lower = rare_lower.spread_lower_bound(runs, "remove", delta, reported)
     assert_bracketed(reported, lower, rel=0.005)
     assert grid > 1.01 * lower  # the grid alone: the case still needs the split
@@ -823,13 +822,13 @@ def test_epsilon_is_monotone_where_the_split_beside_the_grid_starts_to_answer(mo
     calls = []
     beside = pld_module._split_beside
     monkeypatch.setattr(pld_module, "_split_beside", lambda *a: calls.append(1) or beside(*a))
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     values, tried = [], []
     for k in range(7):
         before = len(calls)
         values.append(epsilon(0.646 + 0.001 * k, 1.52e-6, 10**7, 9.8e-5))
         tried.append(len(calls) > before)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     assert all(b < a for a, b in zip(values, values[1:])), values
     assert any(tried) and not all(tried), tried  # the sweep crosses where it starts
 
@@ -952,14 +951,14 @@ def test_many_pairs_are_grouped_at_the_order_that_decides_and_stay_monotone_in_d
     # corners give the best RDP bound, 0.8721.
     runs = _falling_together()
     delta = 3.1101534839548447e-10
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     steered = pld_epsilon(runs, delta)
     assert 7 in dict(pld_module._grouping_proxy(tuple(ledger_module.Ledger(runs).runs)))  # (blended with order 2)
     monkeypatch.setattr(pld_module, "_grouping_proxy", lambda *args: 2)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     assert pld_epsilon(runs, delta) > 1.1 * steered
     monkeypatch.undo()
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     # One order per ledger, whatever delta: 80 pairs of 50 steps from sigma 0.8 at q 1e-3
     # to sigma 1.2 at q 1e-2 read order 9 below delta 7.48e-4 and 7 above; on a fine
     # sweep across that delta epsilon keeps rising as delta falls, by even steps (groups
@@ -1242,9 +1241,9 @@ def _with_and_without(monkeypatch, runs, delta, patch: tuple) -> list:
         if patched:
             monkeypatch.setattr(pld_module, *patch)
         composed.clear()
-        pld_module._pld_epsilon.cache_clear()
+        pld_module._noted_pld_epsilon.cache_clear()
         found.append((pld_epsilon(runs, delta), {(grid.n, grid.spacing, grid.cut) for grid, _, _ in composed}))
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     return found
 
 
@@ -1258,12 +1257,12 @@ def test_rounding_is_refined_only_where_it_could_lower_epsilon_by_more_than_a_sh
     answers = {}
     for share in (pld_module._REFINE_SHARE, 0.0):  # 0: every answer rounding decides is refined
         monkeypatch.setattr(pld_module, "_REFINE_SHARE", share)
-        pld_module._pld_epsilon.cache_clear()
+        pld_module._noted_pld_epsilon.cache_clear()
         for runs, steps in ((100, 3025), (150, 1000)):
             composed.clear()
             answers[share, runs] = (pld_epsilon(_heavy_schedule(runs, steps), 1e-9),
                                     any(dtype == np.longdouble for _, dtype, _ in composed))
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     gated, refined = answers[2.0**-10, 100], answers[0.0, 100]
     assert refined[1] and not gated[1]
     assert refined[0] < gated[0] <= refined[0] * (1 + 2.0**-10)
@@ -1284,7 +1283,7 @@ def test_an_epsilon_of_zero_is_answered_by_the_total_variation(monkeypatch, ledg
     splits = []
     split = rare.split_epsilon
     monkeypatch.setattr(rare, "split_epsilon", lambda *a, **k: splits.append(a) or split(*a, **k))
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     assert pld_epsilon(ledger, delta) == 0.0 and not composed and not splits
     found = pld_module._compose_and_invert(tuple(ledger), {"remove": delta, "add": delta}, None)
     assert found == {"remove": 0.0, "add": 0.0}
@@ -1337,7 +1336,7 @@ def test_an_epsilon_of_zero_is_answered_by_the_hellinger_bound(monkeypatch, ledg
     assert 0.0 < 5.0 * bound < pld_module._total_variation(runs)
     delta = bound * (1.0 + 1e-9)
     composed = _record_compositions(monkeypatch)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     assert pld_epsilon(ledger, delta) == 0.0 and not composed
     pld_epsilon(ledger, bound * (1.0 - 1e-6))
     assert composed
@@ -1366,7 +1365,7 @@ def test_a_grid_that_rounding_decides_even_refined_is_not_refined_to_more_points
     monkeypatch.setattr(pld_module, "_CHECKED_CUT", pld_module._TAIL_FRACTION)
     monkeypatch.setattr(pld_module, "_GROUPED_SPLIT", False)  # (the mixture groups answer, not the split)
     composed = _record_compositions(monkeypatch)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     reported = pld_epsilon(ledger, 3.5e-12, max_groups=16)
     points = {grid.n for grid, _, _ in composed}
     assert len(points) == 1, sorted(points)
@@ -1476,7 +1475,7 @@ def test_a_grown_mixture_ledger_reuses_its_log_mgfs_and_answers_as_if_cold(monke
     warm = pld_epsilon(grown, 1e-6, grid_points=2**14, max_groups=8)
     assert all(calls and max(calls) == 0 for calls in sums.values()), sums
     for clear in (pld_module._mgf_cache.clear, pld_module._prefix_cache.clear, pld_module._tail_cache.clear,
-                  pld_module._grid_distribution.cache_clear, pld_module._pld_epsilon.cache_clear):
+                  pld_module._grid_distribution.cache_clear, pld_module._noted_pld_epsilon.cache_clear):
         clear()
     assert pld_epsilon(grown, 1e-6, grid_points=2**14, max_groups=8) == warm >= first
 
@@ -1561,9 +1560,9 @@ def test_a_mixture_ledger_too_coarse_for_its_grid_reports_its_mixtures_rdp(monke
     reported = pld_epsilon(ledger, 1e-9, grid_points=2**12, max_groups=8)
     with monkeypatch.context() as patch:
         patch.setattr(pld_module, "_with_mixture_rdp", lambda best, *args: best)
-        pld_module._pld_epsilon.cache_clear()
+        pld_module._noted_pld_epsilon.cache_clear()
         without = pld_epsilon(ledger, 1e-9, grid_points=2**12, max_groups=8)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     assert reported <= 0.9 * without
     assert pld_epsilon_lower_bound(ledger, 1e-9, max_groups=40) <= reported
 
@@ -1578,7 +1577,7 @@ def _fast_schedule() -> list:
 
 def _clear_groupings():
     pld_module._fewest_cache.clear()
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
 
 
 def test_a_slowly_changing_schedule_is_composed_in_fewer_groups_for_almost_nothing(monkeypatch):
@@ -1608,14 +1607,14 @@ def test_where_the_split_of_the_pairs_stops_its_last_removal_answer_is_kept(monk
     runs = [(2.6447 - 1.96876 * t / 94, 5.95543e-4 * (2.76699e-5 / 5.95543e-4) ** (t / 94), 628) for t in range(95)]
     delta = 1.8069847402846439e-06
     found = _recorded_splits(monkeypatch)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     kept = epsilon_of_ledger(runs, delta)
     early, (sizing, bounds) = found[0]
     assert early is None and kept == bounds["remove"]
     monkeypatch.setattr(pld_module, "_ungrouped_split", lambda *a: (None, (sizing, {})))
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     assert kept < (1 - 4e-3) * epsilon_of_ledger(runs, delta)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
 
 
 def test_under_a_chosen_group_limit_the_grouped_split_only_bounds_the_mixture_groups(monkeypatch):
@@ -1627,7 +1626,7 @@ def test_under_a_chosen_group_limit_the_grouped_split_only_bounds_the_mixture_gr
     runs = _falling_together()
     delta = 3.1101534839548447e-10
     found = _recorded_splits(monkeypatch)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     default = pld_epsilon(runs, delta)
     split = found[-1][0]
     assert split is not None and default == max(split.values())
@@ -1636,7 +1635,7 @@ def test_under_a_chosen_group_limit_the_grouped_split_only_bounds_the_mixture_gr
     assert early is None and sizing == math.inf and set(bounds) == set(split)
     assert all(bounds[direction] < split[direction] for direction in split)  # 256 groups, not 128
     assert chosen <= max(bounds.values()) and chosen < (1 - 0.01) * default
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
 
 
 def test_fewer_groups_are_refused_where_they_would_cost(monkeypatch):
@@ -1944,9 +1943,9 @@ def test_a_grid_sized_by_its_tilt_stays_within_a_thousandth_of_a_finer_one(monke
 
     monkeypatch.setattr(pld_module, "_smaller_with", recorded)
     monkeypatch.setattr(pld_module, "_GROUPED_SPLIT", False)  # (the mixture groups answer, not the split)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     upper = epsilon_of_ledger(runs, 8.7e-10)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     assert composed == [2**15]
     fine = pld_epsilon(runs, 8.7e-10, grid_points=2**19)
     assert fine <= upper <= 1.001 * fine
@@ -2009,12 +2008,12 @@ def test_cached_mixture_rows_belong_to_their_own_group(monkeypatch):
     fresh = {}
     for runs in (even, skewed):
         pld_module._prefix_cache.clear()
-        pld_module._pld_epsilon.cache_clear()
+        pld_module._noted_pld_epsilon.cache_clear()
         fresh[len(fresh)] = pld_epsilon(runs, DELTA, max_groups=4)
     assert fresh[0] != fresh[1]
     for order in ((0, 1), (1, 0)):
         pld_module._prefix_cache.clear()
-        pld_module._pld_epsilon.cache_clear()
+        pld_module._noted_pld_epsilon.cache_clear()
         for which in order:
             assert pld_epsilon((even, skewed)[which], DELTA, max_groups=4) == fresh[which]
 
@@ -2380,19 +2379,19 @@ def test_a_direction_whose_split_is_below_the_others_is_not_refined_further(monk
     monkeypatch.setattr(rare, "_split_epsilon",
                         lambda steps, d, delta, spacing, scale, *a: scales[d].add(scale) or
                         inner(steps, d, delta, spacing, scale, *a))
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     reported = pld_epsilon(runs, delta)
     assert len(scales["add"] - {2.0}) == 0 and len(scales["remove"] - {2.0}) == 2  # (2.0: the split tried first)
     monkeypatch.setattr(pld_module, "_quick_refined", lambda *args: math.inf)
     scales["add"].clear()
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     assert pld_epsilon(runs, delta) == reported
     assert len(scales["add"] - {2.0}) == 1
     monkeypatch.setattr(pld_module, "_FIRST_SPLIT_SHARE", 0.0)  # every direction refined as far as it goes
     monkeypatch.setattr(pld_module, "_ENOUGH_SHARE", 0.0)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     assert pld_epsilon(runs, delta) == reported
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
 
 
 def test_the_model_does_not_jump_where_rounding_starts_to_decide():
@@ -2464,14 +2463,11 @@ def test_a_steering_search_out_of_evaluations_starts_from_its_point_nearest_the_
 
 def test_near_zero_a_calibration_takes_few_evaluations(monkeypatch):
     # The case above, end to end: three evaluations of the accountant (ten before).
-    evaluated = []
-    real = calibrate_module.epsilon_of_ledger
-    monkeypatch.setattr(calibrate_module, "epsilon_of_ledger",
-                        lambda runs, delta, name="pld": evaluated.append(name) or real(runs, delta, name))
+    evaluated, _ = count_accountant_calls(monkeypatch)
     target, delta, q, steps = 8.857e-4, 0.0191, 8.9027e-6, 3399
     sigma = calibrate_noise(target, delta, q, steps)
     assert target * 0.998 <= epsilon(sigma, q, steps, delta) <= target
-    assert evaluated.count("pld") <= 5, evaluated.count("pld")
+    assert sigma in evaluated and len(evaluated) <= 5, evaluated
 
 
 @pytest.mark.parametrize("coarse, reach", [(0.0519, "_MODEL_FAR_REACH"), (0.0335, "_MODEL_REACH")])
@@ -2734,13 +2730,13 @@ def test_truncated_and_cached_transforms_change_no_value(monkeypatch):
 
     ledgers = [[(1.1, 0.004, 10_000)], [(1.0 + 0.05 * i, 0.01, 200) for i in range(12)]]
     for runs in ledgers:
-        pld_module._pld_epsilon.cache_clear()
+        pld_module._noted_pld_epsilon.cache_clear()
         pld_module._prefix_cache.clear()
         truncated = pld_epsilon(runs, DELTA)
-        pld_module._pld_epsilon.cache_clear()
+        pld_module._noted_pld_epsilon.cache_clear()
         cached = pld_epsilon(runs, DELTA)
         monkeypatch.setattr(pld_module, "_DEAD", math.inf)
-        pld_module._pld_epsilon.cache_clear()
+        pld_module._noted_pld_epsilon.cache_clear()
         pld_module._prefix_cache.clear()
         full = pld_epsilon(runs, DELTA)
         monkeypatch.setattr(pld_module, "_DEAD", 800.0)
@@ -2758,14 +2754,14 @@ def test_tail_ends_move_epsilon_by_at_most_a_hundred_thousandth(monkeypatch):
     ledgers = [([(1.1, 0.004, 10_000)], DELTA), ([(1.0 + 0.05 * i, 0.01, 200) for i in range(12)], DELTA),
                ([(0.9, 1e-4, 2000)], 1e-9)]
     for runs, delta in ledgers:
-        pld_module._pld_epsilon.cache_clear()
+        pld_module._noted_pld_epsilon.cache_clear()
         cut = pld_epsilon(runs, delta)
         monkeypatch.setattr(pld_module, "_sigmas_out", lambda budget: pld_module._GAUSS_TAIL)
-        pld_module._pld_epsilon.cache_clear()
+        pld_module._noted_pld_epsilon.cache_clear()
         pld_module._prefix_cache.clear()
         whole = pld_epsilon(runs, delta)
         monkeypatch.undo()
-        pld_module._pld_epsilon.cache_clear()  # no value of the patched accountant stays cached
+        pld_module._noted_pld_epsilon.cache_clear()  # no value of the patched accountant stays cached
         pld_module._prefix_cache.clear()
         assert cut == pytest.approx(whole, rel=1e-5)
         assert cut >= pld_epsilon_lower_bound(runs, delta, grid_points=2**18)
@@ -2775,11 +2771,11 @@ def test_batched_transforms_equal_one_at_a_time(monkeypatch):
     from dpoptim.accounting import pld as pld_module
 
     runs = [(1.0 + 0.05 * i, 0.01, 200) for i in range(12)]
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     pld_module._prefix_cache.clear()
     batched = pld_epsilon(runs, DELTA)
     monkeypatch.setattr(pld_module, "_BATCH_POINTS", 1)  # one row per transform
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     pld_module._prefix_cache.clear()
     assert pld_epsilon(runs, DELTA) == batched
 
@@ -2867,7 +2863,7 @@ def test_a_schedule_is_composed_on_a_coarser_grid(monkeypatch):
     compose_on = pld_module._compose_on
     monkeypatch.setattr(pld_module, "_compose_on",
                         lambda s, d, grid, **kw: sizes.append(grid.n) or compose_on(s, d, grid, **kw))
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     chosen = pld_epsilon(runs, DELTA)
     assert sizes and max(sizes) <= 2**16
     assert chosen <= pld_epsilon(runs, DELTA, grid_points=2**18) * (1 + 1e-3)
@@ -2885,7 +2881,7 @@ def test_a_long_schedule_at_small_q_takes_one_grid_size_fewer_for_a_tenth_of_a_p
         compose_on = pld_module._compose_on
         monkeypatch.setattr(pld_module, "_compose_on",
                             lambda s, d, grid, **kw: sizes.append(grid.n) or compose_on(s, d, grid, **kw))
-        pld_module._pld_epsilon.cache_clear()
+        pld_module._noted_pld_epsilon.cache_clear()
         value = pld_epsilon(runs, 1e-6)
         monkeypatch.setattr(pld_module, "_compose_on", compose_on)
         return value, max(sizes)
@@ -2916,10 +2912,10 @@ def test_a_grid_guessed_too_coarse_is_refined_on_the_pld_answer(monkeypatch):
                             lambda s, d, grid, **kw: sizes.append(grid.n) or compose_on(s, d, grid, **kw))
         if guess is not None:
             monkeypatch.setattr(pld_module, "_rdp_guess", lambda steps, delta: guess)
-        pld_module._pld_epsilon.cache_clear()
+        pld_module._noted_pld_epsilon.cache_clear()
         value = pld_epsilon(runs, DELTA)
         monkeypatch.undo()
-        pld_module._pld_epsilon.cache_clear()
+        pld_module._noted_pld_epsilon.cache_clear()
         return value, sizes
 
     usual, usual_sizes = run(None)
@@ -2936,10 +2932,10 @@ def test_more_groups_tighten_a_schedule_and_the_limit_is_checked(monkeypatch):
     monkeypatch.setattr(ledger_module, "MAX_DISTINCT_RUNS", 8)  # the default limit, set to 8
     from dpoptim.accounting import pld as pld_module
 
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     assert pld_epsilon(runs, DELTA) == eight
     monkeypatch.undo()
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     every = pld_epsilon(runs, DELTA, max_groups=13)
     assert every < eight
     assert pld_module.PLDAccountant.from_ledger(runs, max_groups=13).get_epsilon(DELTA) == every
@@ -3097,15 +3093,15 @@ def test_more_pairs_than_the_split_takes_are_split_grouped_where_a_rare_loss_dec
     delta = 1.3875111922604606e-11
     runs = [(4.36923 - 3.58112 * t / 132, 1.02055e-4 * (3.57802e-5 / 1.02055e-4) ** (t / 132), 165) for t in range(133)]
     merged = tuple(ledger_module.Run(*run) for run in runs)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     grouped = pld_epsilon(runs, delta)
     monkeypatch.setattr(pld_module, "_grouping_proxy", lambda *args: 2)
     groups = pld_module._pld_epsilon(merged, delta, None, rare_split=False)
     monkeypatch.undo()
     monkeypatch.setattr(pld_module, "_UNGROUPED_SPLIT_PAIRS", 133)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     own = pld_epsilon(runs, delta)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     assert own <= grouped <= own * (1 + 1e-3) and grouped < 0.99 * groups
 
 
@@ -3178,10 +3174,10 @@ def test_a_zero_on_the_refined_grid_is_not_composed_again(monkeypatch):
     # (0.5 s for the same 0).
     runs, delta = [(0.358945301, 2.741287016696085e-06, 12431)], 0.0031565184824688414
     composed = _record_compositions(monkeypatch)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     assert pld_epsilon(runs, delta) == 0.0
     assert len([grid for grid, _, _ in composed if grid.n == 2**20]) == 2  # (one grid, both directions)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
 
 
 def test_a_wide_cut_whose_rounding_allowance_holds_epsilon_high_is_composed_again_cut_short(monkeypatch):
@@ -3194,7 +3190,7 @@ def test_a_wide_cut_whose_rounding_allowance_holds_epsilon_high_is_composed_agai
     delta = 1.8901795580875556e-05
     runs = [(1.2972 + 1.6928 * t / 44, 1.6258e-6 * (1.18808e-6 / 1.6258e-6) ** (t / 44), 226) for t in range(45)]
     cuts = _record_grid_cuts(monkeypatch)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     checked = epsilon_of_ledger(runs, delta)
     assert cuts[-1] == (2**15, pld_module._TAIL_FRACTION) and cuts[0][1] == pld_module._CHECKED_CUT
     monkeypatch.undo()  # (the grid chosen directly, and the wide cut checked)
@@ -3203,9 +3199,9 @@ def test_a_wide_cut_whose_rounding_allowance_holds_epsilon_high_is_composed_agai
     assert checked <= (1 + 1e-4) * exact
     monkeypatch.setattr(pld_module, "_CUT_SHARE", math.inf)  # the wide cut kept whatever it moves
     monkeypatch.setattr(pld_module, "_REFINE_CUT_SHARE", math.inf)  # ... and refined as cut
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     assert epsilon_of_ledger(runs, delta) > (1 + 3e-3) * exact
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
 
 
 def test_steps_transformed_in_chunks_give_the_same_floats(monkeypatch):
@@ -3215,7 +3211,7 @@ def test_steps_transformed_in_chunks_give_the_same_floats(monkeypatch):
     runs = [(1.3 + 0.005 * (i - 60), 0.005 * 1.006**i, 100) for i in range(120)]
     whole = (pld_epsilon_lower_bound(runs, DELTA, grid_points=2**14, max_groups=40),
              pld_epsilon(runs[:40], 1e-7))
-    pld_module._pld_epsilon.cache_clear()  # (answers are cached by ledger)
+    pld_module._noted_pld_epsilon.cache_clear()  # (answers are cached by ledger)
     pld_module._prefix_cache.clear()
     monkeypatch.setattr(pld_module, "_PRODUCT_BYTES", 1)
     assert (pld_epsilon_lower_bound(runs, DELTA, grid_points=2**14, max_groups=40),
@@ -3286,3 +3282,48 @@ def test_near_zero_the_second_accountant_point_lands_in_the_band(monkeypatch):
     sigma = calibrate_noise(target, delta, q, steps)
     assert target * 0.998 <= accountant([(sigma, q, steps)], delta) <= target
     assert sigma in calls and len(calls) <= 2, calls
+
+
+@pytest.mark.parametrize("sigma, q, steps, delta, lowers", [
+    (0.32757, 8.66e-6, 285789, 0.0961, False),  # composed; removal's answer stays 3.295e-4
+    (0.2947462, 5.51e-5, 227, 0.0062, True),  # composed; removal's 2.383e-4 falls to 2.367e-4
+    (1.0, 0.01, 100, 1e-5, None),  # not composed: a bin of the grid is fine for epsilon
+])
+def test_the_search_without_the_narrower_window_is_a_bound_no_lower(sigma, q, steps, delta, lowers):
+    # Without the narrower window the answer is a sound bound at least the accountant's,
+    # equal to it where the window lowered nothing, and the note says which.
+    value, lowered = pld_module.search_epsilon([(sigma, q, steps)], delta)
+    assert lowered is lowers
+    assert value == pld_epsilon([(sigma, q, steps)], delta)
+    without, note = pld_module.search_epsilon([(sigma, q, steps)], delta, narrower=False)
+    assert note is None
+    assert without > value if lowers else without == value
+
+
+def test_a_search_skips_the_narrower_window_only_near_a_point_where_it_lowered_nothing(monkeypatch):
+    lowers, asked = {1.0: False, 2.0: True}, []
+
+    def stand_in(runs, delta, narrower=True):
+        sigma = runs[0][0]
+        asked.append((sigma, narrower))
+        return 1.0 / sigma, lowers.get(sigma) if narrower else None
+
+    monkeypatch.setattr(calibrate_module, "search_epsilon", stand_in)
+    searched = calibrate_module._searched(0.01, 100, 1e-5)
+    for sigma in (1.0, 1.005, 1.02, 2.0, 2.01, 0.995, 1.985):
+        assert searched(sigma) == 1.0 / sigma
+    assert asked == [(1.0, True), (1.005, False), (1.02, True), (2.0, True), (2.01, True), (0.995, False),
+                     (1.985, True)]
+
+
+def test_near_zero_a_second_evaluation_without_the_narrower_window_lands_in_the_band(monkeypatch):
+    # q 8.66e-6 over 285,789 steps, delta 0.0961: the window composed at the first point
+    # (1e-4 of sigma from the answer) lowered nothing there, so the second goes without
+    # it (0.6 s instead of 0.8 s) and lands in the band of the accountant itself.
+    narrowed, searched = [], calibrate_module.search_epsilon
+    monkeypatch.setattr(calibrate_module, "search_epsilon",
+                        lambda runs, delta, narrower=True: narrowed.append(narrower) or searched(runs, delta, narrower))
+    target, delta, q, steps = 3.3e-4, 0.0961, 8.66e-6, 285789
+    sigma = calibrate_noise(target, delta, q, steps)
+    assert target * 0.998 <= epsilon(sigma, q, steps, delta) <= target
+    assert narrowed == [True, False]

@@ -193,7 +193,7 @@ def test_groups_dead_only_together_are_cut_where_their_product_underflows(monkey
     together = pld_epsilon(runs, 1e-5)
     assert cuts and all(cut < alone for cut, alone in cuts[-2:])
     cut_products = products[-2:]
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     pld_module._prefix_cache.clear()
     monkeypatch.setattr(pld_module, "_combined_end", lambda deads, counts, n: min(dead.end for dead in deads))
     alone = pld_epsilon(runs, 1e-5)
@@ -216,7 +216,7 @@ def test_mixture_groups_agree_by_either_route(monkeypatch):
     direct = pld_epsilon(runs, 1e-5)
     assert sizes, "the direct route was not taken"
     monkeypatch.setattr(lowfreq, "sampled_bounds", lambda *args: None)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     pld_module._prefix_cache.clear()
     full = pld_epsilon(runs, 1e-5)
     assert direct == pytest.approx(full, rel=1e-7)
@@ -247,14 +247,14 @@ def test_random_schedules_agree_by_either_route(monkeypatch, runs, steps, sigma,
     ledger = [(sigma * rise ** (i / (runs - 1)), q * spread ** (i / (runs - 1)), steps) for i in range(runs)]
     sizes = []
     transform = lowfreq.low_transform
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     pld_module._prefix_cache.clear()
     with monkeypatch.context() as patch:
         patch.setattr(lowfreq, "low_transform", lambda rows, n, size: sizes.append(size) or transform(rows, n, size))
         direct = pld_epsilon(ledger, delta)
     with monkeypatch.context() as patch:
         patch.setattr(lowfreq, "sampled_bounds", lambda *args: None)
-        pld_module._pld_epsilon.cache_clear()
+        pld_module._noted_pld_epsilon.cache_clear()
         pld_module._prefix_cache.clear()
         full = pld_epsilon(ledger, delta)
     assert direct == pytest.approx(full, rel=1e-4)

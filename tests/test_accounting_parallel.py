@@ -18,7 +18,7 @@ LEDGERS = [
 
 def fresh(monkeypatch, cores):
     monkeypatch.setattr(pld_module, "_usable_cores", lambda: cores)
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     pld_module._prefix_cache.clear()
 
 

@@ -151,7 +151,7 @@ def test_the_stages_are_monotone_on_fine_sweeps():
     base = {"sigma": 4.4, "q": 0.033, "steps": 10**7, "delta": 1e-8}
     calls = []
     original = pld_module._staged
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     for axis, falling in (("sigma", True), ("q", False), ("steps", False), ("delta", True)):
         values = []
         for factor in (1.0, 1.01, 1.02):

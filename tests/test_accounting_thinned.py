@@ -21,7 +21,7 @@ from dpoptim.accounting.pld import pld_epsilon
 
 def fresh_caches():
     """Forget every cached distribution, transform and value: thinning changes none of their keys."""
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     pld_module._grid_distribution.cache_clear()
     pld_module._prefix_cache.clear()
     pld_module._tail_cache.clear()

@@ -19,7 +19,7 @@ from dpoptim.accounting.pld import pld_epsilon
 
 
 def fresh_caches():
-    pld_module._pld_epsilon.cache_clear()
+    pld_module._noted_pld_epsilon.cache_clear()
     rare._split_epsilon.cache_clear()
     rare._cuts.cache_clear()
 

@@ -109,7 +109,7 @@ The reported epsilon is the smallest of this PLD value, the RDP bound and the
 Gaussian-mixture bound of :mod:`.gaussian` (tight for tiny sigma), all sound. Ledgers with
 more than 64 distinct ``(sigma, q)`` pairs are grouped pessimistically first, by cost
 (:func:`~dpoptim.accounting.ledger.coarsen_runs`). Noiseless steps are exact (see
-:func:`_pld_epsilon`).
+:func:`_noted_pld_epsilon`).
 
 Full-batch runs (``q = 1``) are exact Gaussian mechanisms: a ledger of only such runs
 goes to the analytic Gaussian mechanism (:mod:`.gaussian`), and in a mixed ledger they
@@ -164,6 +164,15 @@ def pld_epsilon(runs, delta, grid_points: int | None = None, max_groups: int | N
     delta = check_delta(delta)
     grid_points = _check_grid_points(grid_points)
     return _pld_epsilon(Ledger(runs).runs, delta, grid_points, max_groups=_check_max_groups(max_groups))
+
+
+def search_epsilon(runs, delta, narrower: bool = True) -> tuple[float, bool | None]:
+    """:func:`pld_epsilon` and whether the narrower window (:func:`_shorter_cut_grid`)
+    lowered it (None where it was not composed), for a calibration's search. Without
+    ``narrower`` that window is not composed: the answer is sound, at least
+    :func:`pld_epsilon`'s, and equal to it wherever the window would lower nothing."""
+    delta = check_delta(delta)
+    return _noted_pld_epsilon(Ledger(runs).runs, delta, None, False, None, True, bool(narrower))
 
 
 def coarse_epsilon(runs, delta, grid_points: int) -> float:
@@ -411,10 +420,17 @@ def _hellinger_step(sigma: float, q: float) -> float:
     return (1.0 - q) ** -1.5 * q * q * math.expm1(1.0 / (sigma * sigma)) / 8.0
 
 
-@functools.lru_cache(maxsize=256)
 def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool = False,
                  max_groups: int | None = None, rare_split: bool = True) -> float:
-    r"""The PLD epsilon of validated, merged runs, never above the other sound bounds.
+    """The PLD epsilon of validated, merged runs (:func:`_noted_pld_epsilon`)."""
+    return _noted_pld_epsilon(runs, delta, grid_points, lower, max_groups, rare_split, True)[0]
+
+
+@functools.lru_cache(maxsize=256)
+def _noted_pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool = False,
+                       max_groups: int | None = None, rare_split: bool = True, narrower: bool = True) -> tuple:
+    r"""The PLD epsilon of validated, merged runs, never above the other sound bounds, and
+    the narrower window's note (``narrower``: :func:`search_epsilon`).
 
     **Noiseless steps** (``sigma = 0``) are exact, not infinite. Such a step releases the
     clipped sum itself, so the worst-case pair is :math:`P = (1-q)\,\delta_0 + q\,\delta_1`
@@ -434,61 +450,60 @@ def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool
     infinite when :math:`p_0 \ge \delta` with a noisy rest. The other bounds (RDP, the
     Gaussian mixture) take the noiseless steps by basic composition, at :math:`\delta - p_0`.
 
-    **The minimum of sound bounds.** The PLD answer is compared with the RDP bound
-    (:mod:`.rdp`, read at delta itself without noiseless steps: never above the RDP
-    accountant, not even by an ulp) and the Gaussian-mixture bound
-    (:func:`~dpoptim.accounting.gaussian.mixture_epsilon`, tight for tiny sigma, exact
-    for q = 1); each is an upper bound, so their minimum is one too."""
+    **The minimum of sound bounds.** The PLD answer is compared with the RDP bound (:mod:`.rdp`,
+    read at delta itself without noiseless steps: never above the RDP accountant, not even
+    by an ulp) and the Gaussian-mixture bound (:func:`~dpoptim.accounting.gaussian.mixture_epsilon`,
+    tight for tiny sigma, exact for q = 1); each is an upper bound, so their minimum is one too."""
     runs = tuple(run for run in runs if not math.isinf(run.noise_multiplier))
     blind = [run for run in runs if run.noise_multiplier == 0.0]
     noisy = tuple(run for run in runs if run.noise_multiplier > 0.0)
     p0 = _blind_share(blind) if blind else 0.0
     if not noisy or p0 >= delta:
-        return 0.0 if not noisy and p0 <= delta else math.inf
+        return (0.0 if not noisy and p0 <= delta else math.inf), None
     if (p0 + min(_total_variation(noisy), _hellinger_variation(noisy))) * (1.0 + 1e-12) <= delta:
-        return 0.0
+        return 0.0, None
     deltas, shift = _noisy_rest(delta, p0, lower)
     if not lower and not blind and len(noisy) == 1 and noisy[0].sample_rate < 1.0:
         mixture = _certified_mixture(*noisy[0], delta)
         if mixture is not None:
-            return mixture
-    full_batch = [run for run in noisy if run.sample_rate == 1.0]
+            return mixture, None
     subsampled = [run for run in noisy if run.sample_rate < 1.0]
-    mu = gaussian_mu(full_batch)  # full-batch runs compose exactly into one Gaussian step of noise 1/mu
+    mu = gaussian_mu([run for run in noisy if run.sample_rate == 1.0])  # full batches: one Gaussian of noise 1/mu
     if not subsampled:
-        return _shifted_max({d: _gaussian_epsilon_bound(deltas[d], mu, lower) for d in deltas}, shift)
+        return _shifted_max({d: _gaussian_epsilon_bound(deltas[d], mu, lower) for d in deltas}, shift), None
     rest_delta = (delta - p0) * (1.0 - 1e-12)
     steps, mixture = _grouped(subsampled, max_groups, mu, lower, rest_delta)
     # many pairs: the other bounds on the groups' corners (they dominate it), cheaper and only a ceiling there
     bounded = tuple(Run(*step) for step in steps) if mixture else noisy
     rdp_delta = delta if p0 == 0.0 else rest_delta  # (no difference to round: as the RDP accountant)
     ceiling = math.inf if lower else _other_bounds(bounded, rdp_delta)
+    notes: dict = {}
     try:
         early, hint = _ungrouped_split(subsampled, deltas, shift, rare_split and not (lower or mu), steps, max_groups)
         pld = _shifted_max(early or _pld_answer(steps, deltas, grid_points, lower, ceiling, mixture, shift,
-                                                rare_split, hint), shift)
+                                                rare_split, hint, (narrower, notes)), shift)
     except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
         pld = 0.0 if lower else math.inf  # no PLD answer here: the other bounds stand
     if lower:
-        return max(pld, _split_lower(tuple(steps), deltas, shift, pld))
-    return _costly_rdp_bounds(min(pld, ceiling), bounded, mixture, rdp_delta)
+        return max(pld, _split_lower(tuple(steps), deltas, shift, pld)), None
+    return _costly_rdp_bounds(min(pld, ceiling), bounded, mixture, rdp_delta), notes.get(_NARROWER)
 
 
 def _pld_answer(steps: list, deltas: dict, grid_points, lower: bool, ceiling: float, mixture, shift: float,
-                rare_split: bool, hint: tuple = (math.inf, {})) -> dict:
+                rare_split: bool, hint: tuple = (math.inf, {}), narrower: tuple = (True, None)) -> dict:
     """Each direction's PLD epsilon: the stages' (:func:`_staged`) where they settle it,
     else the grid's (:func:`_compose_and_invert`), or each direction's smaller of the two
     where the stages answered unsettled (both are sound upper bounds; taking the smaller
     keeps epsilon continuous where the stages stop settling it). ``hint``: ``(sizing,
     bounds)`` of :func:`_ungrouped_split`, a guess sizing the first grid (see
     :func:`_compose_and_invert`) and sound upper bounds on some directions' epsilons,
-    each kept where smaller."""
+    each kept where smaller. ``narrower``: see :func:`_compose_and_invert`."""
     sizing, bounds = hint
     found = _staged(steps, deltas, shift, ceiling, grid_points is None and not (lower or mixture))
     if found is not None and found.settled:
         return found.epsilons
     epsilons = _compose_and_invert(tuple(steps), deltas, grid_points, lower, ceiling, mixture, shift, rare_split,
-                                   sizing)
+                                   sizing, narrower)
     if found is not None:
         epsilons = {direction: min(value, found.epsilons[direction]) for direction, value in epsilons.items()}
     return {direction: min(value, bounds.get(direction, math.inf)) for direction, value in epsilons.items()}
@@ -783,7 +798,7 @@ def _certified_mixture(sigma: float, q: float, count: int, delta: float) -> floa
 def _noisy_rest(delta: float, p0: float, lower: bool) -> tuple[dict, float]:
     """``(deltas, shift)``: the delta at which each direction of the noisy rest is read,
     and the shift of the add direction's epsilon, when noiseless steps expose the
-    example with probability ``p0`` (see :func:`_pld_epsilon`); rounded against the
+    example with probability ``p0`` (see :func:`_noted_pld_epsilon`); rounded against the
     answer for the upper bound, exact for the lower one."""
     if p0 == 0.0:
         return {_REMOVE: delta, _ADD: delta}, 0.0
@@ -1001,7 +1016,7 @@ def _thin_of(grid: _Grid, direction: str) -> float | None:
 
 def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, lower: bool = False,
                         ceiling: float = math.inf, mixture=None, shift: float = 0.0, rare_split: bool = True,
-                        hint: float = math.inf) -> dict:
+                        hint: float = math.inf, narrower: tuple = (True, None)) -> dict:
     """Epsilon of each direction, each at its own delta, on one grid.
 
     ``grid_points=None``: the grid is sized from the RDP guess of epsilon (see
@@ -1012,7 +1027,8 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
     corners, which size the grid. ``shift``: added to the add direction's epsilon by the
     caller (:func:`_compose_on`). ``rare_split``: see :func:`_rounding_bound`. ``hint``: a guess
     (:func:`_ungrouped_split`) sizing the first grid where below the RDP guess. Cuts: :func:`_cut_checked`.
-    The split tried first may leave sound answers of its own beside the grids' (``beside``)."""
+    The split tried first may leave sound answers of its own beside the grids' (``beside``).
+    ``narrower``: see :func:`_narrowed`."""
     delta = min(deltas.values())
     bound: set = set()  # the directions whose answer rounding decided, even refined
     split: set = set()  # ... and of those, the ones the split of :mod:`.rare` answered
@@ -1053,8 +1069,7 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
             and _spread_share(steps, grid.spacing) > _SPREAD_SHARE):
         epsilons = _split_beside(steps, deltas, epsilons, grid, shift)
     if not lower and grid.n >= last and guess < ceiling and grid.spacing > _BIN_SHARE * guess and any(epsilons.values()):
-        epsilons = _smaller_with(steps, deltas, epsilons, compose_on,
-                                 _shorter_cut_grid(steps, delta, grid, max(epsilons.values())))
+        epsilons = _narrowed(steps, deltas, epsilons, compose_on, (grid, shift), narrower)
     if _reported(epsilons, shift) in bound and grid.n > first and guess < ceiling:  # (else a coarser grid is no help)
         epsilons = _smaller_with(steps, deltas, epsilons, compose_on,
                                  _coarser_grid(steps, delta, grid, max(epsilons.values()), first))
@@ -1350,6 +1365,26 @@ def _coarser_grid(steps: tuple, delta: float, grid: _Grid, answer: float, first:
         return coarse if coarse.n < grid.n and _shift_fine(steps, coarse.spacing, answer) else None
     return other
 
+
+def _narrowed(steps: tuple, deltas: dict, epsilons: dict, compose_on, on: tuple, narrower: tuple) -> dict:
+    """Each direction's smaller of ``epsilons`` (on the grid of ``on``: it and the add
+    direction's shift) and its epsilon on the narrower window of :func:`_shorter_cut_grid`.
+    ``narrower``: ``(compose, notes)``: without ``compose``, ``epsilons`` as they are (sound,
+    only looser); ``notes``, a dict or None, records under :data:`_NARROWER` whether the
+    window lowered the reported answer."""
+    compose, notes = narrower
+    if not compose:
+        return epsilons
+    grid, shift = on
+    found = _smaller_with(steps, deltas, epsilons, compose_on,
+                          _shorter_cut_grid(steps, min(deltas.values()), grid, max(epsilons.values())))
+    if notes is not None:
+        notes[_NARROWER] = _shifted_max(found, shift) < _shifted_max(epsilons, shift)
+    return found
+
+
+#: What :func:`_narrowed` notes of the narrower window.
+_NARROWER = "narrower"
 
 #: The share of delta :func:`_shorter_cut_grid` lets the steps' cuts send to +inf.
 _SHORT_CUT_FRACTION = 2.0**-10
