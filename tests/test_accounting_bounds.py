@@ -295,9 +295,9 @@ def count_accountant_calls(monkeypatch):
     calls = []
     searched = calibrate_module.search_epsilon
 
-    def counted(runs, delta, narrower=True):
+    def counted(runs, delta, skip=0):
         calls.append(runs[0][0])
-        return searched(runs, delta, narrower)
+        return searched(runs, delta, skip)
 
     monkeypatch.setattr(calibrate_module, "search_epsilon", counted)
     return calls, calibrate_module.epsilon_of_ledger
@@ -3284,46 +3284,49 @@ def test_near_zero_the_second_accountant_point_lands_in_the_band(monkeypatch):
     assert sigma in calls and len(calls) <= 2, calls
 
 
-@pytest.mark.parametrize("sigma, q, steps, delta, lowers", [
-    (0.32757, 8.66e-6, 285789, 0.0961, False),  # composed; removal's answer stays 3.295e-4
-    (0.2947462, 5.51e-5, 227, 0.0062, True),  # composed; removal's 2.383e-4 falls to 2.367e-4
-    (1.0, 0.01, 100, 1e-5, None),  # not composed: a bin of the grid is fine for epsilon
+@pytest.mark.parametrize("sigma, q, steps, delta, skippable", [
+    (0.32757, 8.66e-6, 285789, 0.0961, 2),  # composed; removal's answer stays 3.295e-4
+    (0.2947462, 5.51e-5, 227, 0.0062, 0),  # the narrower window lowers removal's 2.383e-4 to 2.367e-4
+    (1.0, 0.01, 1000, 1e-5, None),  # none composed: the first grid is fine for epsilon
 ])
-def test_the_search_without_the_narrower_window_is_a_bound_no_lower(sigma, q, steps, delta, lowers):
-    # Without the narrower window the answer is a sound bound at least the accountant's,
-    # equal to it where the window lowered nothing, and the note says which.
-    value, lowered = pld_module.search_epsilon([(sigma, q, steps)], delta)
-    assert lowered is lowers
+def test_the_search_without_later_stages_is_a_bound_no_lower(sigma, q, steps, delta, skippable):
+    # Left out, the stages after the refinement leave a sound bound at least the
+    # accountant's, equal to it where they lowered nothing, and the note says how many.
+    value, note = pld_module.search_epsilon([(sigma, q, steps)], delta)
+    assert note == skippable
     assert value == pld_epsilon([(sigma, q, steps)], delta)
-    without, note = pld_module.search_epsilon([(sigma, q, steps)], delta, narrower=False)
-    assert note is None
-    assert without > value if lowers else without == value
+    answers = [pld_module.search_epsilon([(sigma, q, steps)], delta, skip) for skip in (1, 2)]
+    assert all(note is None for _, note in answers)
+    assert value <= answers[0][0] <= answers[1][0]
+    assert [without == value for without, _ in answers] == [skippable is None or skippable >= k for k in (1, 2)]
+    with pytest.raises(ValueError, match="skip"):
+        pld_module.search_epsilon([(sigma, q, steps)], delta, 3)
 
 
-def test_a_search_skips_the_narrower_window_only_near_a_point_where_it_lowered_nothing(monkeypatch):
-    lowers, asked = {1.0: False, 2.0: True}, []
+def test_a_search_leaves_out_what_the_nearest_point_could_have(monkeypatch):
+    notes, asked = {1.0: 2, 2.0: 0, 3.0: 1}, []
 
-    def stand_in(runs, delta, narrower=True):
+    def stand_in(runs, delta, skip=0):
         sigma = runs[0][0]
-        asked.append((sigma, narrower))
-        return 1.0 / sigma, lowers.get(sigma) if narrower else None
+        asked.append((sigma, skip))
+        return 1.0 / sigma, notes.get(sigma) if skip == 0 else None
 
     monkeypatch.setattr(calibrate_module, "search_epsilon", stand_in)
     searched = calibrate_module._searched(0.01, 100, 1e-5)
-    for sigma in (1.0, 1.005, 1.02, 2.0, 2.01, 0.995, 1.985):
+    for sigma in (1.0, 1.005, 1.02, 2.0, 2.01, 0.995, 3.0, 2.985):
         assert searched(sigma) == 1.0 / sigma
-    assert asked == [(1.0, True), (1.005, False), (1.02, True), (2.0, True), (2.01, True), (0.995, False),
-                     (1.985, True)]
+    assert asked == [(1.0, 0), (1.005, 2), (1.02, 0), (2.0, 0), (2.01, 0), (0.995, 2), (3.0, 0), (2.985, 1)]
 
 
-def test_near_zero_a_second_evaluation_without_the_narrower_window_lands_in_the_band(monkeypatch):
-    # q 8.66e-6 over 285,789 steps, delta 0.0961: the window composed at the first point
-    # (1e-4 of sigma from the answer) lowered nothing there, so the second goes without
-    # it (0.6 s instead of 0.8 s) and lands in the band of the accountant itself.
-    narrowed, searched = [], calibrate_module.search_epsilon
+def test_near_zero_a_second_evaluation_without_later_stages_lands_in_the_band(monkeypatch):
+    # q 8.66e-6 over 285,789 steps, delta 0.0961: the stages after the refinement,
+    # composed at the first point (1e-4 of sigma from the answer), lowered nothing
+    # there, so the second goes without them (0.4 s instead of 0.7 s) and lands in the
+    # band of the accountant itself.
+    skipped, searched = [], calibrate_module.search_epsilon
     monkeypatch.setattr(calibrate_module, "search_epsilon",
-                        lambda runs, delta, narrower=True: narrowed.append(narrower) or searched(runs, delta, narrower))
+                        lambda runs, delta, skip=0: skipped.append(skip) or searched(runs, delta, skip))
     target, delta, q, steps = 3.3e-4, 0.0961, 8.66e-6, 285789
     sigma = calibrate_noise(target, delta, q, steps)
     assert target * 0.998 <= epsilon(sigma, q, steps, delta) <= target
-    assert narrowed == [True, False]
+    assert skipped == [0, 2]

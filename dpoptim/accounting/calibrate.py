@@ -151,28 +151,28 @@ def calibrate_noise(target_epsilon, delta, sample_rate, steps, accountant: str =
 
 def _searched(q: float, steps: int, delta: float):
     """The PLD accountant's epsilon at each sigma of one calibration's search: its own
-    answer (:func:`~dpoptim.accounting.pld.search_epsilon`), but without the narrower
-    window's composition (about 40% of an evaluation at tiny q) where that window,
-    composed at the nearest sigma evaluated within :data:`_NARROWER_REACH`, lowered
-    nothing there. Each answer is a sound bound at least the accountant's, so a sigma
-    whose answer meets the target meets it for the accountant too. At the nearby sigmas
-    of a search near epsilon's zero the window helps or not alike: over 120 such
-    calibrations every sigma returned was the same (see docs/accounting.md)."""
-    notes: dict[float, bool] = {}  # sigma -> whether the window lowered the answer there
+    answer (:func:`~dpoptim.accounting.pld.search_epsilon`), but with as many of the
+    stages it composes after its refinement left out (a third to a half of an
+    evaluation at tiny q) as could have been at the nearest sigma evaluated within
+    :data:`_LATER_REACH` for the same answer there. Each answer is a sound bound at least
+    the accountant's, so a sigma whose answer meets the target meets it for the
+    accountant too. At the nearby sigmas of a search those stages help or not alike:
+    over 200 calibrations every sigma returned was the same (see docs/accounting.md)."""
+    notes: dict[float, int] = {}  # sigma -> how many stages could have been left out there
 
     def epsilon_at(sigma: float) -> float:
-        near = [s for s in notes if abs(math.log(sigma / s)) <= _NARROWER_REACH]
+        near = [s for s in notes if abs(math.log(sigma / s)) <= _LATER_REACH]
         nearest = min(near, key=lambda s: abs(math.log(sigma / s)), default=None)
-        value, lowered = search_epsilon([(sigma, q, steps)], delta, nearest is None or notes[nearest])
-        if lowered is not None:
-            notes[sigma] = lowered
+        value, skippable = search_epsilon([(sigma, q, steps)], delta, 0 if nearest is None else notes[nearest])
+        if skippable is not None:
+            notes[sigma] = skippable
         return value
     return epsilon_at
 
 
-#: How far (in log sigma) what the narrower window did at one sigma stands for another
-#: in a calibration's search (:func:`_searched`).
-_NARROWER_REACH = 0.01
+#: How far (in log sigma) what the later stages did at one sigma stands for another in a
+#: calibration's search (:func:`_searched`).
+_LATER_REACH = 0.01
 
 
 #: Grid of the PLD that steers a calibration before the accountant's own grid finishes it.

@@ -166,13 +166,18 @@ def pld_epsilon(runs, delta, grid_points: int | None = None, max_groups: int | N
     return _pld_epsilon(Ledger(runs).runs, delta, grid_points, max_groups=_check_max_groups(max_groups))
 
 
-def search_epsilon(runs, delta, narrower: bool = True) -> tuple[float, bool | None]:
-    """:func:`pld_epsilon` and whether the narrower window (:func:`_shorter_cut_grid`)
-    lowered it (None where it was not composed), for a calibration's search. Without
-    ``narrower`` that window is not composed: the answer is sound, at least
-    :func:`pld_epsilon`'s, and equal to it wherever the window would lower nothing."""
+def search_epsilon(runs, delta, skip: int = 0) -> tuple[float, int | None]:
+    """``(epsilon, skippable)`` for a calibration's search: :func:`pld_epsilon` with the last
+    ``skip`` (0, 1 or 2) of the two stages of grids composed after its refinement left
+    out (:func:`_later_grids`), and with none left out, how many could have been for the
+    same answer (None where those stages composed nothing). Each stage only keeps the
+    smaller of two sound answers, so what is left out can only raise epsilon: the
+    answer is sound, at least :func:`pld_epsilon`'s, and equal to it wherever the stages
+    left out would lower nothing."""
     delta = check_delta(delta)
-    return _noted_pld_epsilon(Ledger(runs).runs, delta, None, False, None, True, bool(narrower))
+    if skip not in (0, 1, 2):
+        raise ValueError(f"skip must be 0, 1 or 2, got {skip!r}")
+    return _noted_pld_epsilon(Ledger(runs).runs, delta, None, False, None, True, skip)
 
 
 def coarse_epsilon(runs, delta, grid_points: int) -> float:
@@ -423,14 +428,14 @@ def _hellinger_step(sigma: float, q: float) -> float:
 def _pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool = False,
                  max_groups: int | None = None, rare_split: bool = True) -> float:
     """The PLD epsilon of validated, merged runs (:func:`_noted_pld_epsilon`)."""
-    return _noted_pld_epsilon(runs, delta, grid_points, lower, max_groups, rare_split, True)[0]
+    return _noted_pld_epsilon(runs, delta, grid_points, lower, max_groups, rare_split, 0)[0]
 
 
 @functools.lru_cache(maxsize=256)
 def _noted_pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower: bool = False,
-                       max_groups: int | None = None, rare_split: bool = True, narrower: bool = True) -> tuple:
+                       max_groups: int | None = None, rare_split: bool = True, skip: int = 0) -> tuple:
     r"""The PLD epsilon of validated, merged runs, never above the other sound bounds, and
-    the narrower window's note (``narrower``: :func:`search_epsilon`).
+    the later grids' note (``skip``: :func:`search_epsilon`).
 
     **Noiseless steps** (``sigma = 0``) are exact, not infinite. Such a step releases the
     clipped sum itself, so the worst-case pair is :math:`P = (1-q)\,\delta_0 + q\,\delta_1`
@@ -481,29 +486,29 @@ def _noted_pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower
     try:
         early, hint = _ungrouped_split(subsampled, deltas, shift, rare_split and not (lower or mu), steps, max_groups)
         pld = _shifted_max(early or _pld_answer(steps, deltas, grid_points, lower, ceiling, mixture, shift,
-                                                rare_split, hint, (narrower, notes)), shift)
+                                                rare_split, hint, (skip, notes)), shift)
     except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
         pld = 0.0 if lower else math.inf  # no PLD answer here: the other bounds stand
     if lower:
         return max(pld, _split_lower(tuple(steps), deltas, shift, pld)), None
-    return _costly_rdp_bounds(min(pld, ceiling), bounded, mixture, rdp_delta), notes.get(_NARROWER)
+    return _costly_rdp_bounds(min(pld, ceiling), bounded, mixture, rdp_delta), notes.get(_LATER)
 
 
 def _pld_answer(steps: list, deltas: dict, grid_points, lower: bool, ceiling: float, mixture, shift: float,
-                rare_split: bool, hint: tuple = (math.inf, {}), narrower: tuple = (True, None)) -> dict:
+                rare_split: bool, hint: tuple = (math.inf, {}), later: tuple = (0, None)) -> dict:
     """Each direction's PLD epsilon: the stages' (:func:`_staged`) where they settle it,
     else the grid's (:func:`_compose_and_invert`), or each direction's smaller of the two
     where the stages answered unsettled (both are sound upper bounds; taking the smaller
     keeps epsilon continuous where the stages stop settling it). ``hint``: ``(sizing,
     bounds)`` of :func:`_ungrouped_split`, a guess sizing the first grid (see
     :func:`_compose_and_invert`) and sound upper bounds on some directions' epsilons,
-    each kept where smaller. ``narrower``: see :func:`_compose_and_invert`."""
+    each kept where smaller. ``later``: see :func:`_later_grids`."""
     sizing, bounds = hint
     found = _staged(steps, deltas, shift, ceiling, grid_points is None and not (lower or mixture))
     if found is not None and found.settled:
         return found.epsilons
     epsilons = _compose_and_invert(tuple(steps), deltas, grid_points, lower, ceiling, mixture, shift, rare_split,
-                                   sizing, narrower)
+                                   sizing, later)
     if found is not None:
         epsilons = {direction: min(value, found.epsilons[direction]) for direction, value in epsilons.items()}
     return {direction: min(value, bounds.get(direction, math.inf)) for direction, value in epsilons.items()}
@@ -1016,7 +1021,7 @@ def _thin_of(grid: _Grid, direction: str) -> float | None:
 
 def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, lower: bool = False,
                         ceiling: float = math.inf, mixture=None, shift: float = 0.0, rare_split: bool = True,
-                        hint: float = math.inf, narrower: tuple = (True, None)) -> dict:
+                        hint: float = math.inf, later: tuple = (0, None)) -> dict:
     """Epsilon of each direction, each at its own delta, on one grid.
 
     ``grid_points=None``: the grid is sized from the RDP guess of epsilon (see
@@ -1028,7 +1033,7 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
     caller (:func:`_compose_on`). ``rare_split``: see :func:`_rounding_bound`. ``hint``: a guess
     (:func:`_ungrouped_split`) sizing the first grid where below the RDP guess. Cuts: :func:`_cut_checked`.
     The split tried first may leave sound answers of its own beside the grids' (``beside``).
-    ``narrower``: see :func:`_narrowed`."""
+    ``later``: see :func:`_later_grids`."""
     delta = min(deltas.values())
     bound: set = set()  # the directions whose answer rounding decided, even refined
     split: set = set()  # ... and of those, the ones the split of :mod:`.rare` answered
@@ -1064,15 +1069,60 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
         coarse = (grid.spacing, _shifted_max(epsilons, shift))  # the guess was too high: refine on the answer
         grid, epsilons = _refined_grid(steps, deltas, epsilons, compose_on, (grid, last, cuts, split), guess,
                                        lower, shift)
-    grid, epsilons = _cut_checked(steps, deltas, epsilons, compose_on, (grid, cuts, split, shift, coarse))
-    if (not lower and rare_split and mixture is None and grid.n >= last and guess < ceiling
-            and _spread_share(steps, grid.spacing) > _SPREAD_SHARE):
-        epsilons = _split_beside(steps, deltas, epsilons, grid, shift)
-    if not lower and grid.n >= last and guess < ceiling and grid.spacing > _BIN_SHARE * guess and any(epsilons.values()):
-        epsilons = _narrowed(steps, deltas, epsilons, compose_on, (grid, shift), narrower)
-    if _reported(epsilons, shift) in bound and grid.n > first and guess < ceiling:  # (else a coarser grid is no help)
-        epsilons = _smaller_with(steps, deltas, epsilons, compose_on,
-                                 _coarser_grid(steps, delta, grid, max(epsilons.values()), first))
+    return _later_grids(steps, deltas, epsilons, compose_on, grid, (cuts, split, shift, coarse, bound, beside),
+                        (first, last, guess, ceiling, lower, rare_split and mixture is None), later)
+
+
+def _later_grids(steps: tuple, deltas: dict, epsilons: dict, compose_on, grid: _Grid, state: tuple, sizes: tuple,
+                 later: tuple) -> dict:
+    """:func:`_compose_and_invert`'s answers after its refinement (``epsilons``, on ``grid``):
+    the grids that follow, each keeping every direction's smaller of two sound answers
+    (the cut check and the split beside, :func:`_cut_checked`, :func:`_split_beside`; then
+    the last windows, :func:`_last_windows`), and the sound answers ``beside`` them.
+    ``state``: ``(cuts, split, shift, coarse, bound, beside)``; ``sizes``: ``(first, last,
+    guess, ceiling, lower, splits)``: the fewest and most points, the guess and ceiling
+    that size the grids, the lower bound's flag, and whether the split may be tried.
+
+    ``later``: ``(skip, notes)``. ``skip`` leaves out the last 1 or 2 of those two stages:
+    what they would lower then stands, at or above the answer with them (the stages left
+    are a prefix, composed as they would be). With none left out, ``notes`` (a dict, or
+    None) records under :data:`_LATER` how many could have been (:func:`_skippable`)."""
+    cuts, split, shift, coarse, bound, beside = state
+    first, last, guess, ceiling, lower, splits = sizes
+    skip, notes = later
+    answers = [epsilons]
+    if skip < 2:
+        grid, epsilons = _cut_checked(steps, deltas, epsilons, compose_on, (grid, cuts, split, shift, coarse))
+        if (not lower and splits and grid.n >= last and guess < ceiling
+                and _spread_share(steps, grid.spacing) > _SPREAD_SHARE):
+            epsilons = _split_beside(steps, deltas, epsilons, grid, shift)
+        answers.append(epsilons)
+    if skip < 1:
+        narrow = not lower and grid.n >= last and guess < ceiling and grid.spacing > _BIN_SHARE * guess
+        epsilons = _last_windows(steps, deltas, epsilons, compose_on, grid,  # (a coarser grid helps only if below these)
+                                 (shift, narrow, grid.n > first and guess < ceiling, first, bound))
+        answers.append(epsilons)
+    if notes is not None and skip == 0:
+        notes[_LATER] = _skippable(answers, beside, shift)
+    return _with_beside(epsilons, beside)
+
+
+def _skippable(answers: list, beside: dict, shift: float) -> int | None:
+    """How many of :func:`_later_grids`' two stages, counted from the last, could be left out
+    with the same reported answer (``answers``: after the refinement, after the first
+    stage, after the second; a stage that composed a grid leaves a new dict): 2, 1 or 0,
+    only stages that composed a grid counting; None where neither did."""
+    settled, checked, final = answers
+    if final is settled:
+        return None
+    reported = [_shifted_max(_with_beside(answer, beside), shift) for answer in answers]
+    if reported[0] == reported[2]:
+        return 2
+    return 1 if final is not checked and reported[1] == reported[2] else 0
+
+
+def _with_beside(epsilons: dict, beside: dict) -> dict:
+    """Each direction's smaller of ``epsilons`` and the sound answer ``beside`` it, if any."""
     return {direction: min(value, beside.get(direction, math.inf)) for direction, value in epsilons.items()}
 
 
@@ -1366,25 +1416,26 @@ def _coarser_grid(steps: tuple, delta: float, grid: _Grid, answer: float, first:
     return other
 
 
-def _narrowed(steps: tuple, deltas: dict, epsilons: dict, compose_on, on: tuple, narrower: tuple) -> dict:
-    """Each direction's smaller of ``epsilons`` (on the grid of ``on``: it and the add
-    direction's shift) and its epsilon on the narrower window of :func:`_shorter_cut_grid`.
-    ``narrower``: ``(compose, notes)``: without ``compose``, ``epsilons`` as they are (sound,
-    only looser); ``notes``, a dict or None, records under :data:`_NARROWER` whether the
-    window lowered the reported answer."""
-    compose, notes = narrower
-    if not compose:
-        return epsilons
-    grid, shift = on
-    found = _smaller_with(steps, deltas, epsilons, compose_on,
-                          _shorter_cut_grid(steps, min(deltas.values()), grid, max(epsilons.values())))
-    if notes is not None:
-        notes[_NARROWER] = _shifted_max(found, shift) < _shifted_max(epsilons, shift)
-    return found
+def _last_windows(steps: tuple, deltas: dict, epsilons: dict, compose_on, grid: _Grid, state: tuple) -> dict:
+    """``epsilons`` after the last two windows, each direction's smaller answer kept
+    (:func:`_smaller_with`): the narrower window of shorter cuts where a bin of ``grid``
+    is coarse for epsilon (:func:`_shorter_cut_grid`), then the coarsest grid fine for
+    the reported answer where rounding decided it (:func:`_coarser_grid`). ``state``:
+    ``(shift, narrow, coarser, first, bound)``, the add direction's shift, whether each
+    may help, the fewest points, and the directions rounding decided."""
+    shift, narrow, coarser, first, bound = state
+    delta = min(deltas.values())
+    if narrow and any(epsilons.values()):
+        epsilons = _smaller_with(steps, deltas, epsilons, compose_on,
+                                 _shorter_cut_grid(steps, delta, grid, max(epsilons.values())))
+    if coarser and _reported(epsilons, shift) in bound:
+        epsilons = _smaller_with(steps, deltas, epsilons, compose_on,
+                                 _coarser_grid(steps, delta, grid, max(epsilons.values()), first))
+    return epsilons
 
 
-#: What :func:`_narrowed` notes of the narrower window.
-_NARROWER = "narrower"
+#: What :func:`_later_grids` notes.
+_LATER = "later"
 
 #: The share of delta :func:`_shorter_cut_grid` lets the steps' cuts send to +inf.
 _SHORT_CUT_FRACTION = 2.0**-10
