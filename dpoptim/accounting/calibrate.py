@@ -95,7 +95,9 @@ def calibrate_noise(target_epsilon, delta, sample_rate, steps, accountant: str =
     The result ``sigma`` satisfies ``epsilon(sigma, ...) <= target_epsilon`` and, up to a
     relative 0.2%, equals it: no noise is wasted. (Where the accountant's epsilon jumps
     over that band as its grid changes with sigma, no sigma meets it: the result is then
-    within a relative 2e-4 above the sigma of the jump.) Zero steps need no noise
+    within a relative 2e-4 above the sigma of the jump. The search leaves out grid stages
+    of the accountant that did not help at a nearby point, :func:`_searched`: where one
+    would have helped after all, epsilon lies further below the target, never above.) Zero steps need no noise
     (returns 0), and neither does a run so short that even noiseless steps meet the target
     (``1 - (1 - q)^steps <= delta``: the run is ``(0, delta)``-DP without noise).
 
