@@ -159,7 +159,7 @@ def _searched(q: float, steps: int, delta: float):
     :data:`_LATER_REACH` for the same answer there. Each answer is a sound bound at least
     the accountant's, so a sigma whose answer meets the target meets it for the
     accountant too. At the nearby sigmas of a search those stages help or not alike:
-    over 200 calibrations every sigma returned was the same (see docs/accounting.md)."""
+    over 300 calibrations every sigma returned was the same (see docs/accounting.md)."""
     notes: dict[float, int] = {}  # sigma -> how many stages could have been left out there
 
     def epsilon_at(sigma: float) -> float:
