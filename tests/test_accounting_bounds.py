@@ -3330,3 +3330,19 @@ def test_near_zero_a_second_evaluation_without_later_stages_lands_in_the_band(mo
     sigma = calibrate_noise(target, delta, q, steps)
     assert target * 0.998 <= epsilon(sigma, q, steps, delta) <= target
     assert skipped == [0, 2]
+
+
+@settings(max_examples=12, deadline=None)
+@given(sigma=st.floats(0.4, 3.0), q=st.floats(1e-4, 0.2), steps=st.integers(1, 3000),
+       delta=st.sampled_from([1e-3, 1e-5, 1e-8]))
+def test_leaving_out_later_stages_never_lowers_epsilon(sigma, q, steps, delta):
+    # Whatever the pair, the stages left out only ever lowered an answer: each value with
+    # more of them left out is at least the one with fewer, and as many as the note
+    # allows leave the accountant's own value.
+    runs = [(sigma, q, steps)]
+    value, note = pld_module.search_epsilon(runs, delta)
+    assert value == pld_epsilon(runs, delta)
+    answers = [value] + [pld_module.search_epsilon(runs, delta, skip)[0] for skip in (1, 2)]
+    assert answers[0] <= answers[1] <= answers[2]
+    if note is not None:
+        assert answers[note] == value
