@@ -510,8 +510,8 @@ def _pld_answer(steps: list, deltas: dict, grid_points, lower: bool, ceiling: fl
     epsilons = _compose_and_invert(tuple(steps), deltas, grid_points, lower, ceiling, mixture, shift, rare_split,
                                    sizing, later)
     if found is not None:
-        epsilons = {direction: min(value, found.epsilons[direction]) for direction, value in epsilons.items()}
-    return {direction: min(value, bounds.get(direction, math.inf)) for direction, value in epsilons.items()}
+        epsilons = _each_smaller(epsilons, found.epsilons)
+    return _each_smaller(epsilons, bounds)
 
 
 def _staged(steps: list, deltas: dict, shift: float, ceiling: float, allowed: bool):
@@ -1104,7 +1104,7 @@ def _later_grids(steps: tuple, deltas: dict, epsilons: dict, compose_on, grid: _
         answers.append(epsilons)
     if notes is not None and skip == 0:
         notes[_LATER] = _skippable(answers, beside, shift)
-    return _with_beside(epsilons, beside)
+    return _each_smaller(epsilons, beside)
 
 
 def _skippable(answers: list, beside: dict, shift: float) -> int | None:
@@ -1115,15 +1115,15 @@ def _skippable(answers: list, beside: dict, shift: float) -> int | None:
     settled, checked, final = answers
     if final is settled:
         return None
-    reported = [_shifted_max(_with_beside(answer, beside), shift) for answer in answers]
+    reported = [_shifted_max(_each_smaller(answer, beside), shift) for answer in answers]
     if reported[0] == reported[2]:
         return 2
     return 1 if final is not checked and reported[1] == reported[2] else 0
 
 
-def _with_beside(epsilons: dict, beside: dict) -> dict:
-    """Each direction's smaller of ``epsilons`` and the sound answer ``beside`` it, if any."""
-    return {direction: min(value, beside.get(direction, math.inf)) for direction, value in epsilons.items()}
+def _each_smaller(epsilons: dict, others: dict) -> dict:
+    """Each direction's smaller of ``epsilons`` and the sound answer ``others`` give it, if any."""
+    return {direction: min(value, others.get(direction, math.inf)) for direction, value in epsilons.items()}
 
 
 #: The share of delta the upper bound's windows are first cut for (:func:`_cut_checked`).
@@ -1398,7 +1398,7 @@ def _smaller_with(steps: tuple, deltas: dict, epsilons: dict, compose_on, other)
         values = compose_on(steps, deltas, grid)
     except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
         return epsilons
-    return {direction: min(value, values[direction]) for direction, value in epsilons.items()}
+    return _each_smaller(epsilons, values)
 
 
 def _coarser_grid(steps: tuple, delta: float, grid: _Grid, answer: float, first: int):
