@@ -2194,6 +2194,20 @@ def test_the_extrapolated_coarse_pld_is_the_limit_of_a_geometric_sequence(monkey
     calibrate_module._extrapolated_epsilon.cache_clear()
 
 
+def test_the_extrapolation_composes_no_grid_finer_than_one_at_zero(monkeypatch):
+    # Past the zero a coarser grid at 0 leaves the finer ones at 0: they are not composed.
+    for values, composed in (({2**14: 0.0, 2**15: 0.0, 2**16: 0.0}, [2**14]),
+                             ({2**14: 3e-4, 2**15: 0.0, 2**16: 0.0}, [2**14, 2**15]),
+                             ({2**14: 3e-4, 2**15: 1e-4, 2**16: 0.0}, [2**14, 2**15, 2**16])):
+        asked = []
+        monkeypatch.setattr(calibrate_module, "coarse_epsilon",
+                            lambda runs, delta, points, values=values: asked.append(points) or values[points])
+        calibrate_module._extrapolated_epsilon.cache_clear()
+        assert calibrate_module._extrapolated_epsilon(0.5, 1e-5, 1000, 1e-3) == 0.0
+        assert asked == composed
+    calibrate_module._extrapolated_epsilon.cache_clear()
+
+
 @pytest.mark.parametrize("start", [0.43, 0.44, 0.452, 0.46])
 def test_the_extrapolated_search_finds_where_a_convex_stand_in_meets_the_aim(monkeypatch, start):
     # Epsilon near its zero (0 above sigma 0.4452, convex below: its rate 20% higher 3%

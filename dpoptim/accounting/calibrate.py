@@ -657,8 +657,15 @@ def _extrapolated_epsilon(sigma: float, q: float, steps: int, delta: float) -> f
     shrinks 2.1 to 2.3 times with each halving of the bins (q 2.7e-6 to 7.5e-6, delta
     7e-4 to 0.04): near geometric, whose limit that is. Neither bound, and below 0 past
     the zero (where it still tells how far); the finest grid's value where that is 0 or
-    infinite, or the differences do not shrink."""
-    c0, c1, c2 = (coarse_epsilon([(sigma, q, steps)], delta, points) for points in _EXTRAPOLATION_GRIDS)
+    infinite, or the differences do not shrink. A grid at 0 ends it at 0 without
+    composing the finer ones: their offsets being smaller, they lie at 0 too (a search
+    stepping back from past the zero meets such points)."""
+    values = []
+    for points in _EXTRAPOLATION_GRIDS:
+        values.append(coarse_epsilon([(sigma, q, steps)], delta, points))
+        if values[-1] == 0.0:
+            return 0.0
+    c0, c1, c2 = values
     d1, d2 = c0 - c1, c1 - c2
     if not (0.0 < c2 < math.inf and 0.0 < d2 < d1):
         return c2
