@@ -4,6 +4,7 @@
     python -m benchmarks.bench_accounting --bracket    # also rigorous lower bounds (slow)
     python -m benchmarks.bench_accounting --repeat 5   # more repetitions per timed row
     python -m benchmarks.bench_accounting --groups     # the schedule at several group limits
+    python -m benchmarks.bench_accounting --survey 60 --seed 3   # random calibrations near epsilon's zero
 
 Timed rows use a noise multiplier no cache has seen (a tiny offset). Wall and CPU time are
 both shown: on a busy machine the wall time of a single-threaded computation grows with
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import random
 import statistics
 import time
 
@@ -247,6 +249,44 @@ def _show(value) -> str:
     return f"{value:.6g}" if math.isfinite(value) else "inf"
 
 
+def near_zero_draws(count: int, seed: int) -> list:
+    """``count`` random calibrations ``(target, delta, q, steps)`` where epsilon nears its
+    zero: target 1e-4 to 1e-2, q 1e-6 to 1e-2 and delta 1e-5 to 0.1 (each log-uniform),
+    and as many steps as put the expected number of uses of an example, q T, at 1 to
+    1000 times delta. There epsilon falls to 0 at a finite sigma (where the chance that
+    the example is used at all nears delta), and a small target lies just below it."""
+    rng = random.Random(seed)
+    draws = []
+    for _ in range(count):
+        target = 10 ** rng.uniform(-4, -2)
+        q = 10 ** rng.uniform(-6, -2)
+        delta = 10 ** rng.uniform(-5, -1)
+        steps = max(1, round(10 ** rng.uniform(0, 3) * delta / q))
+        draws.append((target, delta, q, steps))
+    return draws
+
+
+def _near_zero_survey(count: int, seed: int) -> None:
+    """Times :func:`calibrate_noise` on :func:`near_zero_draws` (each draw new to the
+    caches) and checks every answer against the accountant: epsilon at most the target
+    and within the band of 0.2% below it (or within 2e-4 of sigma above a jump, which
+    the band column cannot tell apart: it shows the share below the target)."""
+    print(f"| near-zero survey, seed {seed} | target | delta | q | steps | sigma | epsilon / target - 1 "
+          "| wall s | cpu s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    walls, above, outside = [], 0, 0
+    for k, (target, delta, q, steps) in enumerate(near_zero_draws(count, seed)):
+        sigma, wall, cpu = _time(lambda: calibrate_noise(target, delta, q, steps), 1)
+        share = epsilon_of_ledger([(sigma, q, steps)], delta) / target - 1.0
+        walls.append(wall)
+        above += wall > 2.0
+        outside += not -0.002 <= share <= 0.0
+        print(f"| {k} | {target:.4g} | {delta:.3g} | {q:.3g} | {steps:,} | {_show(sigma)} | {share:+.3%} "
+              f"| {wall:.2f} | {cpu:.2f} |", flush=True)
+    print(f"\n{count} calls: {sum(walls):.1f} s in all, median {statistics.median(walls):.2f} s, "
+          f"longest {max(walls):.2f} s, {above} above 2 s; {outside} outside the band")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=1, help="repetitions per timed row (median shown)")
@@ -254,6 +294,9 @@ def main(argv=None) -> int:
     parser.add_argument("--peers", action="store_true", help="add dp_accounting and Opacus PRV if installed")
     parser.add_argument("--only", default="", help="run only rows whose label contains this text")
     parser.add_argument("--groups", action="store_true", help="only: the schedule at several group limits")
+    parser.add_argument("--survey", type=int, default=0, metavar="N",
+                        help="only: N random calibrations near epsilon's zero (first calls, checked)")
+    parser.add_argument("--seed", type=int, default=0, help="the survey's draws")
     args = parser.parse_args(argv)
     # Warm up as a training run would have by then: imports, FFT plans, the order layout,
     # and the accounting thread with its memory (two pairs, so both directions compose).
@@ -261,6 +304,9 @@ def main(argv=None) -> int:
     epsilon_of_ledger([(1.0, 0.01, 1000), (1.2, 0.02, 1000)], 1e-5)
     if args.groups:
         _grouping_tradeoff()
+        return 0
+    if args.survey:
+        _near_zero_survey(args.survey, args.seed)
         return 0
 
     print("| case | epsilon | wall s | cpu s | target s | lower bound | gap |")

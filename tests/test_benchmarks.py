@@ -106,3 +106,26 @@ def test_distributed_benchmark_runs(tmp_path):
     assert set(result["ms"]) == {"ddp non-private", "ddp dpoptim", "fsdp non-private", "fsdp dpoptim"}
     assert all(v > 0 for v in result["ratio"].values())
     assert "<!-- distributed:start -->" in proc.stdout and "FSDP2" in proc.stdout
+
+
+def test_near_zero_draws_put_the_uses_of_an_example_near_delta():
+    from benchmarks.bench_accounting import near_zero_draws
+
+    draws = near_zero_draws(200, seed=7)
+    assert draws == near_zero_draws(200, seed=7) and draws != near_zero_draws(200, seed=8)
+    for target, delta, q, steps in draws:
+        assert 1e-4 <= target <= 1e-2 and 1e-5 <= delta <= 0.1 and 1e-6 <= q <= 1e-2
+        # q T / delta from 1 to 1000, but for rounding to whole steps (by a quarter at 2 steps)
+        assert steps == 1 or 0.75 <= q * steps / delta <= 1250
+
+
+def test_near_zero_survey_checks_each_answer_against_the_accountant():
+    """Two calibrations of the survey (seed 3: the cheapest two), each answer in the band."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_accounting", "--survey", "2", "--seed", "3"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 2 and all(-0.2 <= float(row.split("|")[7].strip().rstrip("%")) <= 0.0 for row in rows)
+    assert "2 calls:" in proc.stdout and "0 outside the band" in proc.stdout
