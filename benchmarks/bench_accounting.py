@@ -5,6 +5,7 @@
     python -m benchmarks.bench_accounting --repeat 5   # more repetitions per timed row
     python -m benchmarks.bench_accounting --groups     # the schedule at several group limits
     python -m benchmarks.bench_accounting --survey 60 --seed 3   # random calibrations near epsilon's zero
+    python -m benchmarks.bench_accounting --appends 25 --seed 1  # one pair more on random schedules
 
 Timed rows use a noise multiplier no cache has seen (a tiny offset). Wall and CPU time are
 both shown: on a busy machine the wall time of a single-threaded computation grows with
@@ -287,6 +288,51 @@ def _near_zero_survey(count: int, seed: int) -> None:
           f"longest {max(walls):.2f} s, {above} above 2 s; {outside} outside the band")
 
 
+def schedule_draws(count: int, seed: int) -> list:
+    """``count`` random schedules ``(runs, delta, lengths)``: 8 to 399 pairs whose sigma and
+    q move geometrically from end to end (sigma 0.5 to 3.2, q 1e-5 to 0.1, each end
+    log-uniform), 1, 3 or 100 steps a pair, delta 1e-12 to 1e-3; ``lengths``: three
+    prefix lengths, each short of the whole schedule."""
+    rng = random.Random(seed)
+    draws = []
+    for _ in range(count):
+        pairs = rng.randrange(8, 400)
+        sigmas = [10 ** rng.uniform(-0.3, 0.5) for _ in range(2)]
+        rates = [10 ** rng.uniform(-5, -1) for _ in range(2)]
+        per_pair = rng.choice((1, 1, 3, 100))
+        delta = 10 ** rng.uniform(-12, -3)
+        runs = [(_between(sigmas, k / (pairs - 1)), _between(rates, k / (pairs - 1)), per_pair) for k in range(pairs)]
+        draws.append((runs, delta, tuple(rng.randrange(2, pairs) for _ in range(3))))
+    return draws
+
+
+def _between(ends, share: float) -> float:
+    """The point ``share`` of the way from ``ends[0]`` to ``ends[1]`` on a log scale."""
+    return ends[0] * (ends[1] / ends[0]) ** share
+
+
+def _append_survey(count: int, seed: int) -> None:
+    """Epsilon before and after one more pair on :func:`schedule_draws`: composing more
+    steps never lowers the exact epsilon, but the accountant's choices (its grid, the
+    split of a rare loss, and past 64 distinct pairs its groups) may change with the pair
+    appended (``docs/accounting.md``, "Monotone in σ across groupings, and in the steps
+    of a schedule"). Counts the appends that lowered it and the largest share."""
+    print(f"| append survey, seed {seed} | pairs | steps a pair | delta | epsilon | one pair more | change |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    lowered, worst, total = 0, 0.0, 0
+    for k, (runs, delta, lengths) in enumerate(schedule_draws(count, seed)):
+        for length in lengths:
+            before = epsilon_of_ledger(runs[:length], delta)
+            after = epsilon_of_ledger(runs[:length + 1], delta)
+            change = after / before - 1.0 if before > 0.0 else (0.0 if after == 0.0 else math.inf)
+            total += 1
+            lowered += change < 0.0
+            worst = min(worst, change)
+            print(f"| {k} | {length} | {runs[0][2]} | {delta:.3g} | {_show(before)} | {_show(after)} "
+                  f"| {change:+.2e} |", flush=True)
+    print(f"\n{total} appends: {lowered} lowered epsilon" + (f", by {-worst:.2e} of it at most" if lowered else ""))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=1, help="repetitions per timed row (median shown)")
@@ -296,7 +342,9 @@ def main(argv=None) -> int:
     parser.add_argument("--groups", action="store_true", help="only: the schedule at several group limits")
     parser.add_argument("--survey", type=int, default=0, metavar="N",
                         help="only: N random calibrations near epsilon's zero (first calls, checked)")
-    parser.add_argument("--seed", type=int, default=0, help="the survey's draws")
+    parser.add_argument("--appends", type=int, default=0, metavar="N",
+                        help="only: one pair more on N random schedules (3 appends each)")
+    parser.add_argument("--seed", type=int, default=0, help="the surveys' draws")
     args = parser.parse_args(argv)
     # Warm up as a training run would have by then: imports, FFT plans, the order layout,
     # and the accounting thread with its memory (two pairs, so both directions compose).
@@ -307,6 +355,9 @@ def main(argv=None) -> int:
         return 0
     if args.survey:
         _near_zero_survey(args.survey, args.seed)
+        return 0
+    if args.appends:
+        _append_survey(args.appends, args.seed)
         return 0
 
     print("| case | epsilon | wall s | cpu s | target s | lower bound | gap |")

@@ -129,3 +129,38 @@ def test_near_zero_survey_checks_each_answer_against_the_accountant():
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == 2 and all(-0.2 <= float(row.split("|")[7].strip().rstrip("%")) <= 0.0 for row in rows)
     assert "2 calls:" in proc.stdout and "0 outside the band" in proc.stdout
+
+
+def test_schedule_draws_move_sigma_and_q_geometrically_within_their_ranges():
+    from benchmarks.bench_accounting import schedule_draws
+
+    draws = schedule_draws(100, seed=5)
+    assert draws == schedule_draws(100, seed=5) and draws != schedule_draws(100, seed=6)
+    for runs, delta, lengths in draws:
+        assert 8 <= len(runs) < 400 and 1e-12 <= delta <= 1e-3
+        assert all(2 <= length < len(runs) for length in lengths)
+        assert {count for _, _, count in runs} <= {1, 3, 100} and len({count for _, _, count in runs}) == 1
+        for column, low, high in ((0, 10**-0.3, 10**0.5), (1, 1e-5, 0.1)):
+            values = [run[column] for run in runs]
+            assert all(low * (1 - 1e-12) <= v <= high * (1 + 1e-12) for v in values)
+            ratios = [b / a for a, b in zip(values, values[1:])]
+            assert max(ratios) - min(ratios) <= 1e-9 * max(ratios)  # one ratio from pair to pair
+
+
+def test_append_survey_reports_the_accountants_epsilon_before_and_after_one_more_pair():
+    """One schedule of the survey (seed 3: a cheap one), its first row checked here."""
+    from benchmarks.bench_accounting import schedule_draws
+    from dpoptim.accounting import epsilon_of_ledger
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_accounting", "--appends", "1", "--seed", "3"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| 0 |")]
+    assert len(rows) == 3 and "3 appends:" in proc.stdout
+    runs, delta, lengths = schedule_draws(1, seed=3)[0]
+    length, before, after = int(rows[0][2]), float(rows[0][5]), float(rows[0][6])
+    assert length == lengths[0]
+    assert before == pytest.approx(epsilon_of_ledger(runs[:length], delta), rel=1e-5)
+    assert after == pytest.approx(epsilon_of_ledger(runs[:length + 1], delta), rel=1e-5)
