@@ -147,6 +147,7 @@ class DPOptimizerMixin(HyperparameterMixin, NoiseMixin, SpendingMixin, BatchSize
         self._composed = Ledger()  # the steps taken, as runs (sigma, q, count), but for the latest run:
         self._latest = (None, None, 0)  # (sigma, q, steps) of the latest run, composed when read (_ledger)
         self._budget_cache = None  # spending._BudgetAnswer, once the budget stop has computed one
+        self._reported: dict = {}  # (delta, accountant) -> (ledger, epsilon) privacy_spent() last reported
         self._process_group = process_group
         self._init_watches()
 

@@ -107,3 +107,40 @@ def test_checkpoint_without_ledger_or_with_a_broken_one_is_refused():
     broken["dpoptim"]["steps_taken"] = 5
     with pytest.raises(ValueError, match="ledger"):
         opt.load_state_dict(broken)
+
+
+def test_privacy_spent_never_dips_below_an_earlier_report_of_the_same_run(monkeypatch):
+    """The accountant may bound a longer ledger slightly lower (its grid and groups are
+    chosen per ledger); the earlier bound holds for the longer ledger too and is kept."""
+    import dpoptim.accounting as accounting
+
+    bounds = {1: 2.0, 2: 1.9, 3: 2.1}  # by steps taken: the second bound dips
+    monkeypatch.setattr(accounting, "epsilon_of_ledger",
+                        lambda ledger, delta, accountant: bounds[sum(run[2] for run in ledger)] * (1e-5 / delta))
+    model, opt = make(3)
+    reported = []
+    for x, _ in batches(3, seed=2):
+        train(model, opt, [(x, None)])
+        reported.append(opt.privacy_spent().epsilon)
+    assert reported == [2.0, 2.0, 2.1]
+    assert opt.privacy_spent(delta=1e-6).epsilon == pytest.approx(21.0)  # each delta on its own
+    # A ledger that no longer begins with the earlier one (a checkpoint's replacing it) starts afresh.
+    fresh_model, fresh = make(4)
+    train(fresh_model, fresh, batches(2, seed=3), noise_at={1: 0.9})
+    opt.load_state_dict(fresh.state_dict(), ledger="checkpoint")
+    assert opt.ledger == fresh.ledger and opt.privacy_spent().epsilon == 1.9
+
+
+def test_privacy_spent_keeps_the_larger_bound_where_the_accountant_dips_on_one_more_pair():
+    """The dip docs/accounting.md reports: 79 pairs of a sigma and q schedule, then 80."""
+    from dpoptim.accounting import epsilon_of_ledger
+
+    ends = ((0.7479678101221281, 1.307943823202928), (0.0007204642648023441, 0.00017334219174971498))
+    runs = [tuple(a * (b / a) ** (k / 122) for a, b in ends) + (100,) for k in range(80)]
+    delta = 8.166720227646929e-11
+    _, opt = make(5)
+    opt._ledger = runs[:79]
+    first = opt.privacy_spent(delta).epsilon
+    assert first == epsilon_of_ledger(runs[:79], delta)
+    opt._ledger = runs
+    assert opt.privacy_spent(delta).epsilon == max(first, epsilon_of_ledger(runs, delta))
