@@ -2503,6 +2503,26 @@ def test_the_models_own_answer_is_trusted_further_where_the_coarse_pld_is_off_it
         assert evaluated[0] == 1.32
 
 
+def test_the_models_second_step_moves_it_by_its_difference_from_the_accountant(monkeypatch):
+    # Near epsilon's zero the model's coarser bins put it about a constant above the
+    # accountant (6% of the aim here). Scaled by their ratio at the first point, the
+    # step lands ~0.4% above the aim, outside the band; moved by the difference, in it.
+    target = 3e-4
+    aim, band = target * (1 - calibrate_module._CALIBRATION_TOLERANCE / 2), (target * 0.998, target)
+    accountant = lambda sigma: 0.01 * math.log(0.35 / sigma)  # noqa: E731 (0 at sigma 0.35)
+    above = 0.06 * aim
+    monkeypatch.setattr(calibrate_module, "model_epsilon", lambda sigma, *args: accountant(sigma) + above)
+    model = calibrate_module._Model(0.34, accountant(0.34) + above, aim, 2.59e-6, 433, 3.84e-4)
+    evaluated = []
+    sigma, _, previous = calibrate_module._modelled_start(lambda s: evaluated.append(s) or accountant(s), 0.34,
+                                                          band, model)
+    assert previous == evaluated[0] and accountant(previous) < band[0]  # the first point: 6% below
+    assert band[0] <= accountant(sigma) <= band[1]
+    assert accountant(sigma) == pytest.approx(aim, rel=2e-4)
+    scaled, _ = model.solve(previous, accountant(previous))
+    assert accountant(scaled) > band[1]  # what the ratio would have done
+
+
 @pytest.mark.parametrize("at_64, asks_8", [(0.107, True), (0.2, False)])
 def test_addition_is_sized_for_8_times_removals_answer_where_64_times_came_near(monkeypatch, at_64, asks_8):
     # 1,134 pairs of 3 steps at q 3.9e-4 to 6.8e-5, delta 1.6e-7: addition sized for 64

@@ -351,7 +351,7 @@ def _modelled_start(accountant, start: float, band: tuple, model: "_Model") -> t
     if own is not None and 0 < value < math.inf and abs(math.log(value / model.aim)) <= _SMALL_CORRECTION:
         # a small correction: the model's slope alone steps there (its curvature adds ~1e-5)
         return sigma * math.exp(math.log(value / model.aim) / own[1]), own[1], sigma
-    modelled = model.solve(sigma, value, slope=own[1] if own is not None else None) if 0 < value < math.inf else None
+    modelled = model.solve_moved(sigma, value, own[1] if own is not None else None) if 0 < value < math.inf else None
     if modelled is None:
         return sigma, _coarse_slope(sigma, model.q, model.steps, model.delta), None
     return modelled[0], modelled[1], sigma
@@ -376,6 +376,23 @@ class _Model:
         """:func:`_modelled` of this model."""
         return _modelled(self.anchor, self.guess, start, value, self.aim, self.q, self.steps, self.delta, slope,
                          tolerance, lean)
+
+    def solve_moved(self, start: float, value: float, slope: float | None = None):
+        """:meth:`solve` for the model moved by its difference from the accountant's
+        ``value`` at ``start`` (scaled by their ratio where that difference would move
+        the aim to 0 or below). Where the accountant's first point lies more than
+        :data:`_SMALL_CORRECTION` off the aim, the model lies a few percent above it: near
+        epsilon's zero, where the coarser bins add about a constant. Scaled by the ratio,
+        the step then missed by the two shares' product (q 2.59e-6, 433 steps, delta
+        3.84e-4: the model 6.1% above, the first point 5.8% below the aim, the second
+        0.46% above it, outside the band); moved by the difference, by 0.1%. On 180
+        calibrations near the zero, seven took this step: moved, five found the band
+        with one evaluation fewer, and none took more."""
+        at = self(start)
+        if at is None or not 0 < at < math.inf or not self.aim + at - value > 0:
+            return self.solve(start, value, slope)
+        return _modelled(self.anchor, self.guess, start, None, self.aim + at - value, self.q, self.steps,
+                         self.delta, slope)
 
     def drifting(self, known: dict, bracket: tuple | None) -> tuple | None:
         """``(sigma, slope)``: where the model times its ratio to the accountant, taken
