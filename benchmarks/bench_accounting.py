@@ -19,12 +19,14 @@ accountant are shown beside dpoptim when installed; neither is required.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import math
 import random
 import statistics
 import time
 
+from dpoptim.accounting import calibrate as calibrate_module
 from dpoptim.accounting import calibrate_noise, epsilon_of_ledger
 from dpoptim.accounting.gaussian import mixture_epsilon_lower_bound
 from dpoptim.accounting.pld import pld_epsilon_lower_bound
@@ -269,23 +271,44 @@ def near_zero_draws(count: int, seed: int) -> list:
 
 def _near_zero_survey(count: int, seed: int) -> None:
     """Times :func:`calibrate_noise` on :func:`near_zero_draws` (each draw new to the
-    caches) and checks every answer against the accountant: epsilon at most the target
-    and within the band of 0.2% below it (or within 2e-4 of sigma above a jump, which
-    the band column cannot tell apart: it shows the share below the target)."""
+    caches), counts its evaluations of the accountant, and checks every answer against
+    the accountant: epsilon at most the target and within the band of 0.2% below it (or
+    within 2e-4 of sigma above a jump, which the band column cannot tell apart: it shows
+    the share below the target)."""
     print(f"| near-zero survey, seed {seed} | target | delta | q | steps | sigma | epsilon / target - 1 "
-          "| wall s | cpu s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    walls, above, outside = [], 0, 0
+          "| evaluations | wall s | cpu s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    walls, evaluations, above, outside = [], 0, 0, 0
     for k, (target, delta, q, steps) in enumerate(near_zero_draws(count, seed)):
-        sigma, wall, cpu = _time(lambda: calibrate_noise(target, delta, q, steps), 1)
+        with _counted_evaluations() as calls:
+            sigma, wall, cpu = _time(lambda: calibrate_noise(target, delta, q, steps), 1)
         share = epsilon_of_ledger([(sigma, q, steps)], delta) / target - 1.0
         walls.append(wall)
+        evaluations += len(calls)
         above += wall > 2.0
         outside += not -0.002 <= share <= 0.0
         print(f"| {k} | {target:.4g} | {delta:.3g} | {q:.3g} | {steps:,} | {_show(sigma)} | {share:+.3%} "
-              f"| {wall:.2f} | {cpu:.2f} |", flush=True)
-    print(f"\n{count} calls: {sum(walls):.1f} s in all, median {statistics.median(walls):.2f} s, "
-          f"longest {max(walls):.2f} s, {above} above 2 s; {outside} outside the band")
+              f"| {len(calls)} | {wall:.2f} | {cpu:.2f} |", flush=True)
+    print(f"\n{count} calls: {sum(walls):.1f} s in all, {evaluations} evaluations of the accountant, "
+          f"median {statistics.median(walls):.2f} s, longest {max(walls):.2f} s, {above} above 2 s; "
+          f"{outside} outside the band")
+
+
+@contextlib.contextmanager
+def _counted_evaluations():
+    """The noise multipliers :func:`calibrate_noise` evaluates the accountant at while
+    the block runs (a list that grows)."""
+    searched, calls = calibrate_module.search_epsilon, []
+
+    def counted(runs, delta, skip=0):
+        calls.append(runs[0][0])
+        return searched(runs, delta, skip)
+
+    calibrate_module.search_epsilon = counted
+    try:
+        yield calls
+    finally:
+        calibrate_module.search_epsilon = searched
 
 
 def schedule_draws(count: int, seed: int) -> list:

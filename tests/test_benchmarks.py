@@ -128,7 +128,10 @@ def test_near_zero_survey_checks_each_answer_against_the_accountant():
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == 2 and all(-0.2 <= float(row.split("|")[7].strip().rstrip("%")) <= 0.0 for row in rows)
+    evaluations = [int(row.split("|")[8]) for row in rows]
+    assert all(count >= 1 for count in evaluations)  # the answer itself is one
     assert "2 calls:" in proc.stdout and "0 outside the band" in proc.stdout
+    assert f"{sum(evaluations)} evaluations of the accountant" in proc.stdout
 
 
 def test_schedule_draws_move_sigma_and_q_geometrically_within_their_ranges():
