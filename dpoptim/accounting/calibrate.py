@@ -264,7 +264,7 @@ def _finish(eps_of, target: float, start: float, q: float, steps: int, delta: fl
             first: tuple | None = None) -> float:
     """The accountant's own search from the coarse answer ``start``: at the answer of a model
     (:class:`_Model`, smooth in sigma where the accountant's grid moves), then at the model
-    scaled to that value (:func:`_modelled_start`), once at it times its drifting ratio
+    moved to that value (:func:`_modelled_start`), once at it times its drifting ratio
     (:meth:`_Model.drifting`), then secant steps on log epsilon against log sigma. Near
     epsilon's zero (:func:`_near_zero_rate`, or a 0 at the model's answer) secants on epsilon
     itself (:func:`_linear_step`, up to eight; from one point, :func:`_offset_step`).
@@ -363,7 +363,7 @@ class _Model:
     the accountant's largest grid or less (:func:`~dpoptim.accounting.pld.model_epsilon`).
     On a fixed grid epsilon is smooth in sigma, where the accountant's moves by a little
     as its grid changes; the model's offset from the accountant is measured at the points
-    the accountant evaluates and divided out."""
+    the accountant evaluates and taken out (:meth:`solve_moved`, :meth:`drifting`)."""
 
     def __init__(self, anchor: float, guess: float, aim: float, q: float, steps: int, delta: float):
         self.anchor, self.guess, self.aim, self.q, self.steps, self.delta = anchor, guess, aim, q, steps, delta

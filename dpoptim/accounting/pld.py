@@ -902,7 +902,7 @@ def model_epsilon(sigma: float, q: float, count: int, delta: float, anchor: floa
     chooses its grid for each ledger, and where its spacing halves, its epsilon moves by
     a little; on a fixed grid epsilon is smooth in sigma, so a search near ``anchor``
     converges in a few steps, and a coarser grid's constant offset from the accountant
-    is measured once and divided out (:func:`~dpoptim.accounting.calibrate.calibrate_noise`).
+    is measured and taken out (:func:`~dpoptim.accounting.calibrate.calibrate_noise`).
     Not a reported value, and not an upper bound away from the anchor (the steps' ends
     are the anchor's). ``None`` where there is no grid (q = 1, noiseless steps).
 
