@@ -92,7 +92,7 @@ class SpendingMixin:
 
         name = accountant or self.accountant
         ledger = self._ledger
-        eps = float(accounting.epsilon_of_ledger(self.ledger, delta, accountant=name))
+        eps = float(accounting.epsilon_of_ledger(ledger, delta, accountant=name))
         earlier = self._reported.get((delta, name))
         if earlier is not None and _starts_with(ledger, earlier[0]):
             eps = max(eps, earlier[1])
