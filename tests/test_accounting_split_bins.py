@@ -144,3 +144,21 @@ def test_unsettled_coarser_answers_are_kept_aside_not_answered(monkeypatch):
         assert coarser == {"remove": 1e-4 * (1.0 + 2.0**-9)}
     finally:
         rare._split_epsilon.cache_clear()
+
+
+@pytest.mark.parametrize("coarsest, settles", [
+    ((1.0 + 2.0**-13, False, None), True),  # within 2^-12 of the pair's finer answer: settled
+    ((1.0 + 2.0**-10, False, None), False),  # doubling the bins raised it by 2^-10
+    ((1.0, True, None), False),  # rounding decides on the coarsest bins
+])
+def test_where_the_finer_coarse_bins_do_not_fit_the_next_coarser_pair_is_compared(monkeypatch, coarsest, settles):
+    # Bins 1.0 need too many points: 4.0 against 2.0 settles it, or nothing does (the
+    # asked bins then answer, or the caller's grids); nothing coarser is tried.
+    calls, tried = [], {}
+    monkeypatch.setattr(rare, "_widest_bulk", lambda *args: rare._COARSER_BINS)
+    monkeypatch.setattr(rare, "_split_on", fake_split_on({2.0: (1.0 + 2.0**-14, False, None), 1.0: rare._TOO_WIDE,
+                                                          4.0: coarsest}, calls))
+    found = rare._settled_coarser((), "remove", 1e-6, (0.25, 1.0), (None, 0.5), 64.0, None,
+                                  (2**19, None, False), tried)
+    assert found == ((1.0 + 2.0**-14, False, None) if settles else None)
+    assert calls == [2.0, 1.0, 4.0] and set(tried) == {4.0, 2.0, 1.0}
