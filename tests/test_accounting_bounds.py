@@ -793,6 +793,64 @@ def test_addition_below_removal_is_settled_on_a_coarse_grid_first(monkeypatch):
     assert reported <= grids  # 9.9911e-5 against 9.9947e-5 (the lower bound: 9.951e-5, at 2^20 points)
 
 
+NEAR_ZERO_RUNS, NEAR_ZERO_DELTA = ((0.3105639, 5.83e-6, 263),), 5.98e-4
+
+
+def test_near_zero_addition_left_to_rounding_by_the_split_is_settled_on_grids_of_its_own(monkeypatch):
+    # sigma 0.31, q 5.8e-6, 263 steps, delta 6e-4 (epsilon 3.86e-4, a calibration near its
+    # zero): the split leaves addition to rounding (4.6e-4 and more, above removal's
+    # answer), and all the grids of both directions followed. Addition alone on a grid of
+    # 2^15 points is far below removal's answer, which is reported as before.
+    deltas = {"remove": NEAR_ZERO_DELTA, "add": NEAR_ZERO_DELTA}
+    rare._split_epsilon.cache_clear()
+    below = pld_module._addition_below
+    settled = []
+    monkeypatch.setattr(pld_module, "_addition_below", lambda *args: settled.append(below(*args)) or settled[-1])
+    found = pld_module._split_first(NEAR_ZERO_RUNS, deltas, 3.15)
+    assert found is not None and settled == [found["add"]] and found["add"] <= found["remove"]
+    lower = pld_module._compose_and_invert(NEAR_ZERO_RUNS, deltas, 2**18, lower=True)
+    assert lower["add"] <= found["add"] and lower["remove"] <= found["remove"]
+    # the grids' own path, as before: the same removal answer (the split's stood beside
+    # it), after every grid of both directions
+    monkeypatch.undo()
+    pld_module._noted_pld_epsilon.cache_clear()
+    reported = pld_epsilon(NEAR_ZERO_RUNS, NEAR_ZERO_DELTA)
+    composed = []
+    first_grid = pld_module._first_grid
+    monkeypatch.setattr(pld_module, "_first_grid", lambda *args: composed.append(args) or first_grid(*args))
+    monkeypatch.setattr(pld_module, "_addition_below", lambda *args: None)
+    pld_module._noted_pld_epsilon.cache_clear()
+    rare._split_epsilon.cache_clear()
+    assert pld_epsilon(NEAR_ZERO_RUNS, NEAR_ZERO_DELTA) == reported == found["remove"] and composed
+    pld_module._noted_pld_epsilon.cache_clear()
+
+
+def test_addition_below_answers_only_at_or_below_its_bound():
+    deltas = {"remove": NEAR_ZERO_DELTA, "add": NEAR_ZERO_DELTA}
+    lower = pld_module._compose_and_invert(NEAR_ZERO_RUNS, deltas, 2**18, lower=True)["add"]
+    found = pld_module._addition_below(NEAR_ZERO_RUNS, NEAR_ZERO_DELTA, 3.86e-4)
+    assert lower <= found <= 3.86e-4
+    assert pld_module._addition_below(NEAR_ZERO_RUNS, NEAR_ZERO_DELTA, 0.5 * lower) is None  # none can be
+    assert pld_module._addition_below(NEAR_ZERO_RUNS, NEAR_ZERO_DELTA, 0.0) is None
+
+
+def test_removals_split_answer_stands_beside_the_grids_where_additions_fails(monkeypatch):
+    # Where the split answers removal but neither it nor the grids settle addition, the
+    # grids answer both directions; removal's split answer, sound, is kept beside them.
+    def split(steps, direction, delta, guess, *args, **kwargs):
+        return (2.5e-4, False) if direction == pld_module._REMOVE else None
+
+    monkeypatch.setattr(rare, "split_epsilon", split)
+    monkeypatch.setattr(pld_module, "_addition_below", lambda *args: None)
+    beside = {}
+    deltas = {pld_module._REMOVE: NEAR_ZERO_DELTA, pld_module._ADD: NEAR_ZERO_DELTA}
+    assert pld_module._split_first(NEAR_ZERO_RUNS, deltas, 1.0, beside=beside) is None
+    assert beside == {pld_module._REMOVE: 2.5e-4}
+    beside = {pld_module._REMOVE: 2e-4}
+    assert pld_module._split_first(NEAR_ZERO_RUNS, deltas, 1.0, beside=beside) is None
+    assert beside == {pld_module._REMOVE: 2e-4}  # the smaller stands
+
+
 def test_where_the_largest_grid_still_spreads_the_loss_the_split_answers_beside_it(monkeypatch):
     # sigma 0.501, q 1.52e-6, 10^7 steps, delta 9.8e-5: the body (about 0.04 wide) decides
     # epsilon, but a rare sampled step far out stretches the grid's window, and 2^20 points
@@ -2540,6 +2598,7 @@ def test_addition_is_sized_for_8_times_removals_answer_where_64_times_came_near(
         return answers[round(guess / removal)], False
 
     monkeypatch.setattr(rare, "split_epsilon", split)
+    monkeypatch.setattr(pld_module, "_addition_below", lambda *args: None)  # (the grids settle nothing here)
     found = pld_module._split_first(((1.0, 1e-4, 3),), {pld_module._REMOVE: 1e-7, pld_module._ADD: 1e-7}, 1.0)
     assert found == {pld_module._REMOVE: removal, pld_module._ADD: 0.0475 if asks_8 else 0.042}
     assert asked == ([64, 8] if asks_8 else [64, 1])

@@ -911,9 +911,10 @@ def model_epsilon(sigma: float, q: float, count: int, delta: float, anchor: floa
     epsilon over many steps, so the model jumped where rounding started to decide (q
     2e-5, 8.3*10^7 steps, delta 1.6e-12: 3.145 at sigma 0.7484, 2.738 at 0.7491, where
     the accountant moves smoothly from 2.744 to 2.738), and its secant steps with it.
-    The split is tried only where it answers at the anchor (:func:`_model_splits`): where
-    it fails there it fails nearby too, and trying it at every point tripled each
-    evaluation's time (q 1.48e-6, 2,898 steps, delta 1.6e-3: 0.25 s against 0.09 s).
+    The split is tried only where it answers at the anchor (:func:`_model_splits`), on at
+    most :data:`_MODEL_SPLIT_POINTS`: where it fails there it fails nearby too, and trying
+    it at every point tripled each evaluation's time (q 1.48e-6, 2,898 steps, delta
+    1.6e-3: 0.25 s against 0.09 s).
     Answers are cached: a calibration asks the same points again when it measures the
     model's drift against the accountant.
     """
@@ -923,7 +924,7 @@ def model_epsilon(sigma: float, q: float, count: int, delta: float, anchor: floa
         deltas = {_REMOVE: delta, _ADD: delta}
         steps = ((sigma, q, count),)
         if _beyond_body(steps, _rdp_guess(steps, delta), delta) and _model_splits(anchor, q, count, delta, guess):
-            early = _split_first(steps, deltas, guess, again=False)  # as the accountant, sized by ``guess``
+            early = _split_first(steps, deltas, guess, again=False, points=_MODEL_SPLIT_POINTS)  # sized by ``guess``
             if early is not None:
                 return max(early.values())
         grid = _model_grid(anchor, q, count, delta, guess)
@@ -937,8 +938,17 @@ def _model_splits(anchor: float, q: float, count: int, delta: float, guess: floa
     """Whether :func:`model_epsilon` tries the split: where it answers at the ``anchor``."""
     steps = ((anchor, q, count),)
     return (_beyond_body(steps, _rdp_guess(steps, delta), delta)
-            and _split_first(steps, {_REMOVE: delta, _ADD: delta}, guess, again=False) is not None)
+            and _split_first(steps, {_REMOVE: delta, _ADD: delta}, guess, again=False,
+                             points=_MODEL_SPLIT_POINTS) is not None)
 
+
+#: The largest window of the split in :func:`model_epsilon`, half the accountant's
+#: (:data:`_FIRST_SPLIT_POINTS`): near epsilon's zero a split whose bulk needs more (settled
+#: on bins four and two times coarser than the asked ones, :func:`.rare._settled_coarser`)
+#: cost 0.4 s a point of the model, whose grid costs 0.05 s (q 2.6e-6, 433 steps, delta
+#: 3.8e-4: five points, 2.8 s a calibration instead of 2.6 s); at q 1e-6 over 10^6 steps
+#: (delta 1e-12) the split it keeps costs 0.09 s and steers the first point into the band.
+_MODEL_SPLIT_POINTS = 2**18
 
 #: Largest grid of :func:`model_epsilon`: a quarter of the accountant's largest; where the
 #: accountant needs its largest (tiny q), the model is within about 1.5% of its epsilon
@@ -1321,12 +1331,14 @@ def _split_first(steps: tuple, deltas: dict, guess: float, again: bool = True, s
     near, for :data:`_NEARER_ADDITION` times (1,134 pairs of 3 steps at q 3.9e-4 to
     6.8e-5, delta 1.6e-7: 0.107 at 64 times, 0.0475 at 8 times against removal's 0.0587,
     in 0.3 s where the grid sized for removal's answer took 1.9 s; where 64 times gave
-    3.4 times removal's, 8 times did not settle it either), then for removal's answer
-    (with ``again``), and only sized for its own where it is above (``shift``: added to
-    it by the caller), as only the larger is reported; without a tail of its own it is
-    composed whole on the split's fine grid. Where removal has no rare tail, the grids
-    answer. ``points``: the largest window. ``beside``: receives the split's sound answers
-    that are not its own (``coarser`` of :func:`~dpoptim.accounting.rare.split_epsilon`)."""
+    3.4 times removal's, 8 times did not settle it either), then on grids of its own
+    (:func:`_addition_below`), then for removal's answer (with ``again``), and only sized
+    for its own where it is above (``shift``: added to it by the caller), as only the
+    larger is reported; without a tail of its own it is composed whole on the split's
+    fine grid. Where removal has no rare tail, the grids answer. ``points``: the largest
+    window. ``beside``: receives the split's sound answers that are not its own
+    (``coarser`` of :func:`~dpoptim.accounting.rare.split_epsilon`), and removal's where
+    addition is not answered (the grids then answer both directions)."""
     removal = rare.split_epsilon(steps, _REMOVE, deltas[_REMOVE], guess, again, points, strict=True, coarser=beside)
     if removal is None or removal[1]:
         return None
@@ -1340,14 +1352,48 @@ def _split_first(steps: tuple, deltas: dict, guess: float, again: bool = True, s
             return {_REMOVE: removal[0], _ADD: quick[0]}
         if quick is None or quick[0] + shift > _NEAR_ENOUGH * removal[0]:
             break  # far above removal's: a grid 8 times finer would rarely bring it below
+    below = _addition_below(steps, deltas[_ADD], removal[0] - shift)
+    if below is not None:
+        return {_REMOVE: removal[0], _ADD: below}
     addition = rare.split_epsilon(steps, _ADD, deltas[_ADD], max(removal[0], 1e-300) if again else guess, False,
                                   points, whole=True)
     if again and addition is not None and addition[0] + shift > removal[0]:
         addition = rare.split_epsilon(steps, _ADD, deltas[_ADD], addition[0], again, points, whole=True,
                                       strict=True, coarser=beside)
     if addition is None or addition[1]:
+        if beside is not None:  # removal's answer stands beside the grids'
+            beside[_REMOVE] = min(removal[0], beside.get(_REMOVE, math.inf))
         return None
     return {_REMOVE: removal[0], _ADD: addition[0]}
+
+
+#: The most points :func:`_addition_below` composes addition on.
+_ADDITION_BELOW_POINTS = 2**17
+
+
+def _addition_below(steps: tuple, delta: float, bound: float) -> float | None:
+    """Addition's epsilon on the grids of 2^14 points up to :data:`_ADDITION_BELOW_POINTS`,
+    each sized for ``bound`` (removal's answer less the caller's shift), the first at or
+    below ``bound``; None where none is. Near epsilon's zero the split of :mod:`.rare`
+    leaves addition to rounding (q 5.8e-6, 263 steps, sigma 0.31, delta 6e-4: 4.6e-4 and
+    more, removal 3.86e-4), and without these grids every grid of
+    :func:`_compose_and_invert` followed, for both directions (0.45 s); addition alone on
+    2^15 points gave 2.6e-4 in 6 ms. What is reported, removal's answer, is the same either way: addition only
+    needs to stay below it, and each grid's answer is a sound upper bound
+    (:func:`_compose_direction`; its cuts count in full)."""
+    if not 0.0 < bound < math.inf:
+        return None
+    n = AUTO_GRID_POINTS[0]
+    while n <= _ADDITION_BELOW_POINTS:
+        try:
+            grid = _choose_grid(steps, delta, n, n, bound, tail_fraction=_CHECKED_CUT)
+            found = _compose_direction(steps, _ADD, grid, delta, np.float64)[0]
+        except (FloatingPointError, OverflowError, DroppedMass):  # pragma: no cover - the split's own grids answer
+            return None
+        if found <= bound:
+            return found
+        n *= 2
+    return None
 
 
 def _split_beside(steps: tuple, deltas: dict, epsilons: dict, grid: _Grid, shift: float) -> dict:
