@@ -834,7 +834,7 @@ def test_addition_below_answers_only_at_or_below_its_bound():
     assert pld_module._addition_below(NEAR_ZERO_RUNS, NEAR_ZERO_DELTA, 0.0) is None
 
 
-def test_removals_split_answer_stands_beside_the_grids_where_additions_fails(monkeypatch):
+def test_removals_split_answer_stands_beside_the_grids_where_addition_fails(monkeypatch):
     # Where the split answers removal but neither it nor the grids settle addition, the
     # grids answer both directions; removal's split answer, sound, is kept beside them.
     def split(steps, direction, delta, guess, *args, **kwargs):
@@ -2515,6 +2515,19 @@ def test_the_model_tries_the_split_only_where_it_answers_at_the_anchor(monkeypat
     pld_module.model_epsilon(0.61, q, steps, delta, anchor, guess)
     assert pld_module._model_splits(anchor, q, steps, delta, guess) and len(calls) == 2
     pld_module._model_splits.cache_clear()
+
+
+def test_the_models_split_keeps_to_a_smaller_window_than_the_accountants():
+    # q 2.6e-6, 433 steps, delta 3.8e-4 (a calibration near epsilon's zero): at the anchor
+    # the split answers on the accountant's window of 2^19 points, settled on bins four
+    # and two times its coarsest (0.4 s a point), but not on the model's 2^18: the model
+    # keeps its grid (0.05 s a point).
+    q, steps, delta, anchor, guess = 2.586212085889697e-6, 433, 3.839131344258445e-4, 0.3200994, 2.9654880580196925e-4
+    pld_module._model_splits.cache_clear()
+    assert not pld_module._model_splits(anchor, q, steps, delta, guess)
+    pld_module._model_splits.cache_clear()
+    found = pld_module._split_first(((anchor, q, steps),), {"remove": delta, "add": delta}, guess, again=False)
+    assert found is not None and found["add"] <= found["remove"]
 
 
 def test_a_steering_search_out_of_evaluations_starts_from_its_point_nearest_the_target():

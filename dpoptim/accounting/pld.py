@@ -1378,9 +1378,9 @@ def _addition_below(steps: tuple, delta: float, bound: float) -> float | None:
     leaves addition to rounding (q 5.8e-6, 263 steps, sigma 0.31, delta 6e-4: 4.6e-4 and
     more, removal 3.86e-4), and without these grids every grid of
     :func:`_compose_and_invert` followed, for both directions (0.45 s); addition alone on
-    2^15 points gave 2.6e-4 in 6 ms. What is reported, removal's answer, is the same either way: addition only
-    needs to stay below it, and each grid's answer is a sound upper bound
-    (:func:`_compose_direction`; its cuts count in full)."""
+    2^15 points gave 2.6e-4 in 6 ms. What is reported, removal's answer, is the same
+    either way: addition only needs to stay below it, and each grid's answer is a sound
+    upper bound (:func:`_compose_direction`; its cuts count in full)."""
     if not 0.0 < bound < math.inf:
         return None
     n = AUTO_GRID_POINTS[0]

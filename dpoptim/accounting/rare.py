@@ -254,6 +254,7 @@ def _settled_coarser(steps: tuple, direction: str, delta: float, spacings: tuple
         asked, widest = 2.0 * asked, widest / 2.0
     if not coarse >= _COARSER_RATIO * asked:
         return None
+
     def answer(h: float):
         found = tried[h] = _split_on(steps, direction, delta, h, ends, scale, dtype, points, before=before)
         return found if found is not None and found is not _TOO_WIDE and not found[1] else None
