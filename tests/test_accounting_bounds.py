@@ -849,6 +849,13 @@ def test_removals_split_answer_stands_beside_the_grids_where_addition_fails(monk
     beside = {pld_module._REMOVE: 2e-4}
     assert pld_module._split_first(NEAR_ZERO_RUNS, deltas, 1.0, beside=beside) is None
     assert beside == {pld_module._REMOVE: 2e-4}  # the smaller stands
+    # over several runs addition's own grids are not asked (removal's split answer can lie
+    # above the grids' there): the grids answer, removal's answer beside them
+    asked = []
+    monkeypatch.setattr(pld_module, "_addition_below", lambda *args: asked.append(args))
+    beside, two = {}, NEAR_ZERO_RUNS + ((0.32, 5.83e-6, 263),)
+    assert pld_module._split_first(two, deltas, 1.0, beside=beside) is None
+    assert asked == [] and beside == {pld_module._REMOVE: 2.5e-4}
 
 
 def test_where_the_largest_grid_still_spreads_the_loss_the_split_answers_beside_it(monkeypatch):
