@@ -3266,6 +3266,24 @@ def test_a_refinement_is_cut_short_at_once_where_the_first_grids_cuts_moved_epsi
     assert found == pytest.approx(both, rel=1e-9)
 
 
+def test_a_refinement_keeps_the_first_cut_where_the_short_cut_would_not_refine_its_bins(monkeypatch):
+    # sigma 0.440, q 1.4e-5, 1,080,835 steps, delta 0.073 (epsilon near 0): the cuts of
+    # the first grid (2^19 points, cut for 2^-10 of delta) move epsilon by more than 1e-3
+    # of itself, but cut for 2^-16 the window needs all of 2^20 points for the first
+    # grid's bins. The refinement keeps the first cut on bins half as wide: one grid of
+    # 2^20 points, where the short cut took two (the short cut's, then a narrower window
+    # on finer bins), for the same answer.
+    runs, delta = [(0.44032247, 1.4321413083303028e-05, 1080835)], 0.07311845865917119
+    # (then the short cut as before)
+    (kept, grids), (short, short_grids) = _with_and_without(
+        monkeypatch, runs, delta, ("_finer_of_cuts", lambda firsts, refined: (firsts[1], refined[1])))
+    first = min(spacing for points, spacing, _ in grids if points == 2**19)
+    finest = {(spacing, cut) for points, spacing, cut in grids if points == 2**20}
+    assert finest == {(first / 2, pld_module._CHECKED_CUT)}
+    assert (2**20, first, pld_module._TAIL_FRACTION) in short_grids and len(short_grids) > len(grids)
+    assert kept == pytest.approx(short, rel=1e-9)
+
+
 def test_a_first_grid_not_refined_keeps_its_wide_cut_where_coarser_bins_would_cost_more(monkeypatch):
     # sigma 0.315, q 1.2e-6, 4.9*10^6 steps, delta 0.094 (epsilon near 0): the first grid
     # has the most points (2^20) and is not refined; its cuts move epsilon (1.45e-3) by

@@ -1172,6 +1172,25 @@ def _cut_checked(steps: tuple, deltas: dict, epsilons: dict, compose_on, state: 
     return strict, _smaller_with(steps, deltas, epsilons, compose_on, lambda: strict)
 
 
+def _finer_of_cuts(firsts: tuple, refined: tuple) -> tuple:
+    """``(first, refined)``: which cut a refinement keeps, where :func:`_refinement_cut`
+    chose the shorter one (``firsts``: the first grid as cut and as cut shorter;
+    ``refined``: the refined grid sized for each). The shorter cut widens the window, and
+    where the most points allowed then hold bins no finer than the first grid's, that is
+    no refinement: the first grid's cut is kept, with its finer bins. :func:`_cut_checked`
+    then composes the shorter cut beside it only where the two grids' answers say its
+    coarser bins cost less than the cuts moved (:func:`_bins_cost`). Both cuts give sound
+    upper bounds; only tightness and time are at stake. Near epsilon's zero (sigma 0.440,
+    q 1.4e-5, 1,080,835 steps, delta 0.073) the first grid's cuts moved its answer,
+    1.63e-4, by 2.3e-5, and the shorter cut kept its bins on 2^20 points: 1.65e-4 after
+    0.45 s, before the narrower window of :func:`_last_windows` found 1.09e-4 on bins
+    half as wide. Cut like the first, the refinement finds 1.09e-4 at once."""
+    (first, shorter), (kept, wide) = firsts, refined
+    if wide.spacing >= first.spacing > kept.spacing:
+        return first, kept
+    return shorter, wide
+
+
 #: Where the first grid's cuts moved its reported answer by more than this share of it,
 #: the refined grid is cut for :data:`_TAIL_FRACTION` of delta (:func:`_refinement_cut`).
 _REFINE_CUT_SHARE = 1e-3
@@ -1264,11 +1283,17 @@ def _refined_grid(steps: tuple, deltas: dict, epsilons: dict, compose_on, grids:
     ``epsilons``, which the upper bound keeps where smaller (both are sound; where rounding
     decides them the first can be the smaller). The upper bound's grid may be sized by
     the first grid's tilt (:func:`_fine_for`), then checked (:func:`_checked_refinement`)."""
-    coarse, last, cuts, split = grids
-    coarse = _refinement_cut(coarse, epsilons, (cuts, split, shift))
+    first, last, cuts, split = grids
+    coarse = _refinement_cut(first, epsilons, (cuts, split, shift))
     delta = min(deltas.values())
-    grid = _choose_grid(steps, delta, 2 * coarse.n, last, guess, tilt=coarse.tilt, order=None if lower else coarse.tilt,
-                        tail_fraction=coarse.cut)
+
+    def sized(cut: float) -> _Grid:
+        return _choose_grid(steps, delta, 2 * first.n, last, guess, tilt=first.tilt,
+                            order=None if lower else first.tilt, tail_fraction=cut)
+
+    grid = sized(coarse.cut)
+    if coarse is not first:
+        coarse, grid = _finer_of_cuts((first, coarse), (sized(first.cut), grid))
     if lower:
         return grid, compose_on(steps, deltas, grid)
     before = _shifted_max(epsilons, shift)
