@@ -3266,22 +3266,48 @@ def test_a_refinement_is_cut_short_at_once_where_the_first_grids_cuts_moved_epsi
     assert found == pytest.approx(both, rel=1e-9)
 
 
-def test_a_refinement_keeps_the_first_cut_where_the_short_cut_would_not_refine_its_bins(monkeypatch):
-    # sigma 0.440, q 1.4e-5, 1,080,835 steps, delta 0.073 (epsilon near 0): the cuts of
-    # the first grid (2^19 points, cut for 2^-10 of delta) move epsilon by more than 1e-3
-    # of itself, but cut for 2^-16 the window needs all of 2^20 points for the first
-    # grid's bins. The refinement keeps the first cut on bins half as wide: one grid of
-    # 2^20 points, where the short cut took two (the short cut's, then a narrower window
-    # on finer bins), for the same answer.
-    runs, delta = [(0.44032247, 1.4321413083303028e-05, 1080835)], 0.07311845865917119
-    # (then the short cut as before)
+@pytest.mark.parametrize("runs, delta", [
+    ([(0.44032247, 1.4321413083303028e-05, 1080835)], 0.07311845865917119),
+    ([(0.373696, 1.8035398924478907e-06, 354890)], 0.010787504382220826),
+])
+def test_a_refinement_keeps_the_first_cut_where_its_finer_bins_decide(monkeypatch, runs, delta):
+    # Near epsilon's zero, where the first grid's cuts move epsilon by more than 1e-3 of
+    # itself: at sigma 0.440 (q 1.4e-5, 1,080,835 steps, delta 0.073) the window cut for
+    # 2^-16 of delta needs all of 2^20 points for the first grid's own bins; at sigma 0.374
+    # (q 1.8e-6, 354,890 steps, delta 0.011) the cuts move it by 0.16% of itself. The
+    # refinement keeps the first cut, on finer bins: one grid of 2^20 points, where the
+    # short cut took two (its own, then a narrower window on finer bins), for the same
+    # answer.
     (kept, grids), (short, short_grids) = _with_and_without(
-        monkeypatch, runs, delta, ("_finer_of_cuts", lambda firsts, refined: (firsts[1], refined[1])))
-    first = min(spacing for points, spacing, _ in grids if points == 2**19)
+        monkeypatch, runs, delta, ("_finer_of_cuts", lambda firsts, refined, share: (firsts[1], refined[1])))
     finest = {(spacing, cut) for points, spacing, cut in grids if points == 2**20}
-    assert finest == {(first / 2, pld_module._CHECKED_CUT)}
-    assert (2**20, first, pld_module._TAIL_FRACTION) in short_grids and len(short_grids) > len(grids)
+    short_finest = {(spacing, cut) for points, spacing, cut in short_grids if points == 2**20}
+    assert len(finest) == 1 and {cut for _, cut in finest} == {pld_module._CHECKED_CUT}
+    assert pld_module._TAIL_FRACTION in {cut for _, cut in short_finest} and len(short_finest) == 2
+    assert min(spacing for spacing, _ in finest) == min(spacing for spacing, _ in short_finest)
     assert kept == pytest.approx(short, rel=1e-9)
+
+
+def test_a_refinement_is_cut_short_where_the_cuts_moved_epsilon_by_more_than_the_kept_share(monkeypatch):
+    # sigma 0.540, q 4.0e-5, 292,963 steps, delta 0.047 (epsilon near 0): the first grid's
+    # cuts move epsilon by 4.8% of itself, beyond the share up to which the first cut
+    # is kept: the refinement is cut for 2^-16 of delta, on coarser bins than the first
+    # cut would get, as before.
+    runs, delta = [(0.539594, 4.039839004229273e-05, 292963)], 0.0469699580550083
+    shares = []
+
+    def recorded(firsts, refined, share):
+        shares.append(share)
+        return finer_of_cuts(firsts, refined, share)
+
+    finer_of_cuts = pld_module._finer_of_cuts
+    monkeypatch.setattr(pld_module, "_finer_of_cuts", recorded)
+    composed = _record_compositions(monkeypatch)
+    pld_module._noted_pld_epsilon.cache_clear()
+    pld_epsilon(runs, delta)
+    pld_module._noted_pld_epsilon.cache_clear()
+    assert len(shares) == 1 and shares[0] > pld_module._KEPT_CUT_SHARE
+    assert pld_module._TAIL_FRACTION in {grid.cut for grid, _, _ in composed if grid.n == 2**20}
 
 
 def test_a_first_grid_not_refined_keeps_its_wide_cut_where_coarser_bins_would_cost_more(monkeypatch):
