@@ -1174,7 +1174,7 @@ def _cut_checked(steps: tuple, deltas: dict, epsilons: dict, compose_on, state: 
 
 def _finer_of_cuts(firsts: tuple, refined: tuple, share: float) -> tuple:
     """``(first, refined)``: which cut a refinement keeps, where :func:`_refinement_cut`
-    chose the shorter one (``firsts``: the first grid as cut and as cut shorter;
+    would cut it shorter (``firsts``: the first grid as cut and as cut shorter;
     ``refined``: the refined grid sized for each; ``share``: how far the first grid's cuts
     moved its reported answer, a share of it). The shorter cut widens the window, and
     where the most points allowed cannot hold it at the spacing the first cut gets, its
@@ -1209,12 +1209,14 @@ _KEPT_CUT_SHARE = 1e-2
 _REFINE_CUT_SHARE = 1e-3
 
 
-def _refinement_cut(grid: _Grid, epsilons: dict, state: tuple) -> _Grid:
-    """The first ``grid`` as the refinement of :func:`_compose_and_invert` reads it: cut for
-    :data:`_TAIL_FRACTION` of delta where the cuts of its window moved its reported answer
-    (of ``epsilons``; ``state``: the cut moves, the directions the split of :mod:`.rare`
-    answered, the add direction's ``shift``, as :func:`_cut_checked` takes them) by more
-    than :data:`_REFINE_CUT_SHARE` of it; else unchanged. :func:`_cut_checked` would
+def _refinement_cut(grid: _Grid, epsilons: dict, state: tuple, sized) -> tuple[_Grid, _Grid]:
+    """``(first, refined)``: the first ``grid`` as the refinement of :func:`_compose_and_invert`
+    reads it, and the refined grid ``sized`` for its cut (a function of the cut). It is
+    cut for :data:`_TAIL_FRACTION` of delta where the cuts of its window moved its
+    reported answer (of ``epsilons``; ``state``: the cut moves, the directions the split of
+    :mod:`.rare` answered, the add direction's ``shift``, as :func:`_cut_checked` takes
+    them) by more than :data:`_REFINE_CUT_SHARE` of it, unless its finer bins decide
+    (:func:`_finer_of_cuts`); else unchanged. :func:`_cut_checked` would
     compose the refined grid cut that way anyway, beside the one cut like the first
     grid: a second composition on the finest grid. A move that large is the rare losses'
     (q 1.7e-6, 69,539 steps at sigma 0.24, delta 0.03: 0.74% on 2^18 points), and the
@@ -1226,8 +1228,9 @@ def _refinement_cut(grid: _Grid, epsilons: dict, state: tuple) -> _Grid:
     reported = _reported(epsilons, shift)
     moved = cuts.get((reported, grid.n, grid.spacing), 0.0)
     if grid.cut > _TAIL_FRACTION and moved > _REFINE_CUT_SHARE * epsilons[reported] and reported not in split:
-        return dataclasses.replace(grid, cut=_TAIL_FRACTION)
-    return grid
+        return _finer_of_cuts((grid, dataclasses.replace(grid, cut=_TAIL_FRACTION)),
+                              (sized(grid.cut), sized(_TAIL_FRACTION)), moved / epsilons[reported])
+    return grid, sized(grid.cut)
 
 
 def _bins_cost(coarse: tuple | None, fine: tuple, spacing: float, steps: tuple) -> float:
@@ -1297,18 +1300,13 @@ def _refined_grid(steps: tuple, deltas: dict, epsilons: dict, compose_on, grids:
     decides them the first can be the smaller). The upper bound's grid may be sized by
     the first grid's tilt (:func:`_fine_for`), then checked (:func:`_checked_refinement`)."""
     first, last, cuts, split = grids
-    coarse = _refinement_cut(first, epsilons, (cuts, split, shift))
     delta = min(deltas.values())
 
     def sized(cut: float) -> _Grid:
         return _choose_grid(steps, delta, 2 * first.n, last, guess, tilt=first.tilt,
                             order=None if lower else first.tilt, tail_fraction=cut)
 
-    grid = sized(coarse.cut)
-    if coarse is not first:
-        reported = _reported(epsilons, shift)
-        share = cuts[reported, first.n, first.spacing] / epsilons[reported]
-        coarse, grid = _finer_of_cuts((first, coarse), (sized(first.cut), grid), share)
+    coarse, grid = _refinement_cut(first, epsilons, (cuts, split, shift), sized)
     if lower:
         return grid, compose_on(steps, deltas, grid)
     before = _shifted_max(epsilons, shift)
