@@ -7,6 +7,7 @@ distribution still dominates it (connect-the-dots on any points does), so thinni
 matter of tightness, which these tests hold to its budget, and of speed.
 """
 
+import dataclasses
 import math
 
 import numpy as np
@@ -147,3 +148,63 @@ def test_thinning_moves_epsilon_by_little(monkeypatch, runs, delta, thins):
     fresh_caches()
     assert any(kept < size for kept, size in thinned_points) == thins
     assert abs(thinned / full - 1.0) <= 1e-4, (thinned, full)
+
+
+def test_the_rdp_sized_grid_thins_a_tiny_q_step_by_little(monkeypatch):
+    # At tiny q the RDP curves' window holds a step's rare losses: here 688,134 of its
+    # 2^20 points, each once a Gaussian tail or two to bound. Thinned, the grid composes
+    # under half of them; each direction's epsilon on it moves by at most 1e-4 of itself
+    # against the same grid with every point kept (up to rounding, only ever up: the
+    # thinned steps dominate the full ones, and the tail bound is the same or larger).
+    sigma, q, steps, delta = 0.53959426, 4.039839004229273e-05, 292_963, 0.0469699580550083
+    runs = ((sigma, q, steps),)
+    grid = pld_module._choose_grid(runs, delta, 2**20, 2**20, tail_fraction=pld_module._TAIL_FRACTION)
+    assert grid.window_top is not None and grid.thin is not None  # the RDP-sized window, thinned
+    kept = []
+    thin = pld_module._thinned_points
+    monkeypatch.setattr(pld_module, "_thinned_points", lambda *a: kept.append(thin(*a).size) or thin(*a))
+    for direction in ("remove", "add"):
+        fresh_caches()
+        thinned = pld_module._compose_direction(runs, direction, grid, delta, np.float64)[0]
+        full = pld_module._compose_direction(runs, direction, dataclasses.replace(grid, thin=None), delta,
+                                             np.float64)[0]
+        assert full * (1 - 1e-9) <= thinned <= full * (1 + 1e-4), (direction, thinned, full)
+    lo, hi = pld_module._support(sigma, q, "remove", grid.spacing, grid.bottoms["remove"][0], grid.tops["remove"][0])
+    assert kept and max(kept) < (hi - lo + 1) / 2
+    fresh_caches()
+
+
+def test_the_tail_an_rdp_sized_grid_adds_bounds_its_thinned_steps():
+    # The RDP curves bound the window's tail for the full grid's bins; thinned steps
+    # spread the loss further, which raises every moment generating function at a
+    # positive lambda. The tail the profile adds is checked against the distributions
+    # composed (pld._grid_tail): with the curves' bound taken as nothing, it must be at
+    # least the Chernoff bound of the thinned steps at the transform's tilt and the
+    # window's order, summed here from their masses, which lies above the full grid's.
+    (sigma, q, steps), delta, n = (0.6, 1e-3, 30), 1e-6, 2**14
+    grid = pld_module._choose_grid(((sigma, q, steps),), delta, n, n)
+    assert grid.window_top is not None and grid.thin is not None
+    grid = dataclasses.replace(grid, tail=1e-300)
+    top, order = grid.window_top
+
+    def chernoff(direction, thin):
+        first, masses, _ = pld_module._step_distribution(sigma, q, direction, grid.spacing, grid.bottoms[direction][0],
+                                                         grid.tops[direction][0], thin=thin)
+        support = np.flatnonzero(masses)
+        losses = (first + support) * grid.spacing
+        bounds = []
+        for lam in (grid.tilt, order):
+            exponents = np.log(masses[support]) + lam * losses
+            peak = exponents.max()
+            bounds.append(math.exp(min(steps * (peak + math.log(np.exp(exponents - peak).sum())) - lam * top, 0.0)))
+        return min(bounds)
+
+    for direction in ("remove", "add"):
+        items = [(sigma, q, direction, grid.spacing, grid.bottoms[direction][0], grid.tops[direction][0],
+                  grid.thin[direction], steps)]
+        added = pld_module._grid_tail(items, grid, pld_module._product(items, grid, np.float64, False))
+        thinned, full = chernoff(direction, grid.thin[direction]), chernoff(direction, None)
+        assert added >= thinned * (1 - 1e-12), direction
+        assert thinned >= full * (1 - 1e-12)
+        if direction == "remove":  # its rare losses' tail is thinned: a check on the full steps falls short
+            assert thinned > full * (1 + 1e-8)
