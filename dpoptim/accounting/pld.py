@@ -3824,7 +3824,8 @@ def _grid_tail(items, grid: _Grid, parts) -> float:
     order for the window), at the window's order. Both bound the mass of the
     distributions composed, whatever their points; the larger of ``grid.tail`` and the
     smaller check is used, at least a bound that holds, and it keeps every value where a
-    check passes (over 60 random ledgers the second always did)."""
+    check passes (over 60 random ledgers the second always did; thinned, so did all 118
+    compositions of 60 random ledgers and 90 single runs near epsilon's zero)."""
     if grid.window_top is None:
         return grid.tail
     top, order = grid.window_top
