@@ -2261,13 +2261,13 @@ def _rdp_grid(steps: tuple, tail: float, delta: float, n: int, window: tuple | N
 
 
 def _rdp_thin(steps: tuple, bottoms: dict, tops: dict, delta: float) -> dict | None:
-    """The tilts the thinned steps of :func:`_rdp_grid` serve, per direction (:func:`_thin_tilt`
-    at the lambdas of a mixture's anchors, :func:`_anchor_thin`), or None where no step
-    keeps enough points (``bottoms`` to ``tops``) for :func:`_thinned_points` to thin."""
+    """The tilts the thinned steps of :func:`_rdp_grid` serve, per direction (as a mixture's
+    anchors', :func:`_anchor_thin`), or None where no step keeps enough points
+    (``bottoms`` to ``tops``) for :func:`_thinned_points` to thin."""
     widest = max(top - bottom for direction in tops for bottom, top in zip(bottoms[direction], tops[direction]))
     if widest < 4 * _THIN_PROBE:
         return None
-    return {direction: _thin_tilt(steps, direction, _THIN_LAMBDAS, delta) for direction in (_REMOVE, _ADD)}
+    return {direction: _anchor_thin(steps, direction, delta) for direction in (_REMOVE, _ADD)}
 
 
 def _tail_ends(steps: tuple, spacing: float, i_low: int, i_top: int, tail: float) -> tuple[dict, dict]:
@@ -4015,7 +4015,8 @@ def _group_rows(groups, spectra: list, alive: int) -> tuple[list, list]:
 
 @functools.lru_cache(maxsize=16)
 def _anchor_thin(corners: tuple, direction: str, delta: float) -> float:
-    """:func:`_thin_tilt` of mixture groups' ``corners`` (each dominates its group's rows)."""
+    """:func:`_thin_tilt` of mixture groups' ``corners`` (each dominates its group's rows),
+    or of the steps an RDP-sized grid composes (:func:`_rdp_thin`)."""
     return _thin_tilt(corners, direction, _THIN_LAMBDAS, delta)
 
 
