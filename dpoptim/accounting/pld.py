@@ -4541,7 +4541,9 @@ def _invert_profile(tilted, log_untilt, losses, constant, noise, delta, lower: b
     On :math:`(l_{k-1}, l_k]` this is :math:`c + N_{k-1} + A_{k-1} - e^{\varepsilon -
     l_{k-1}} B_{k-1}` with suffix sums over the entries above :math:`l_{k-1}`, so the
     inversion is exact for the discrete distribution. The profile does not increase with
-    k, so the first grid point where it is at most ``delta`` brackets the answer.
+    k, so the first grid point where it is at most ``delta`` brackets the answer. For
+    the upper bound ``A`` is rounded up and ``B`` down by a bound on the sums' rounding
+    and their terms' (:func:`_invert_by_bisection`), which the difference may magnify.
     """
     n = losses.size
     # Entries whose untilting factor would overflow sit far below the answer (a mass
@@ -4564,6 +4566,11 @@ def _invert_profile(tilted, log_untilt, losses, constant, noise, delta, lower: b
             masses = np.maximum(masses - noise[0] * np.exp(np.minimum(log_untilt, 700.0)), 0.0)
     above = _suffix_sum(masses)
     weighted = _weighted_suffix_sum(masses, losses, first_valid)
+    if not lower:  # each sum within its rounding bound (as in _invert_by_bisection): A up, W down
+        reach = max(abs(float(log_untilt[first_valid])), abs(float(log_untilt[-1])),
+                    float(losses[-1] - losses[first_valid]), abs(float(losses[first_valid])), abs(float(losses[-1])))
+        summing = (4.0 * n + 4.0 * reach + 16.0) * _U
+        above, weighted = above * (1.0 + summing), weighted * (1.0 - summing)
     with np.errstate(over="ignore", invalid="ignore"):
         profile = constant + (0.0 if lower else allowance) + np.maximum(above - weighted, 0.0)
     if lower:
@@ -4657,28 +4664,35 @@ def _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, fir
 
     The profile is :math:`c + \text{allowance}_k + A_k - e^{l_k - r} W_k` with suffix
     sums :math:`A_k = \sum_{j > k} m_j` and :math:`W_k = \sum_{j > k} m_j e^{r - l_j}`
-    (``r`` the lowest valid loss, so no exponent is positive); only these two sums need
-    the whole grid. The bisection keeps a point whose profile is certified at most
-    ``delta`` as its upper end, so whatever the rounding, the answer is certified.
+    (``r`` the lowest valid loss, so no exponent is positive), read at each point the
+    bisection asks from sums over blocks (:func:`_suffix_reader`): a full suffix sum is
+    a sequential pass (7.9 ms at 2^20 points, against 0.2 ms for the blocks' totals),
+    and took a fifth of a calibration near epsilon's zero. ``A`` is rounded up and ``W``
+    down by a bound on their rounding: :math:`(d + 1) u` for a summation tree of depth
+    ``d`` (Higham 2002, Sec. 4.2), and about ``|x| u`` for each exponential of an
+    argument ``x`` that builds a term (two per term, :func:`_exp_linear`, the discounted
+    ones a third; each argument at most twice the largest exponent). The bisection keeps
+    a point certified at most ``delta`` as its upper end, so the answer is certified.
     """
     n = losses.size
     # log_untilt and the losses are linear in k: both exponentials by _exp_linear.
     size = n - first_valid
     slope = float(log_untilt[-1] - log_untilt[first_valid]) / max(size - 1, 1)  # -tilt * spacing
     spacing = float(losses[-1] - losses[first_valid]) / max(size - 1, 1)
-    masses = np.zeros(n)
-    masses[first_valid:] = tilted[first_valid:] * _exp_linear(float(log_untilt[first_valid]), slope, size)
-    above = _suffix_sum(masses)
-    reference = float(losses[first_valid])
-    weighted = np.zeros(n)  # m_j e^{r - l_j}
-    weighted[first_valid:] = tilted[first_valid:] * _exp_linear(float(log_untilt[first_valid]), slope - spacing, size)
-    discounted = _suffix_sum(weighted)
+    start, reference = float(log_untilt[first_valid]), float(losses[first_valid])
+    masses = tilted[first_valid:] * _exp_linear(start, slope, size)
+    weighted = tilted[first_valid:] * _exp_linear(start, slope - spacing, size)  # m_j e^{r - l_j}
+    above, discounted = _suffix_reader(masses), _suffix_reader(weighted)  # (index k - first_valid)
     decay = float(log_untilt[0] - log_untilt[1])  # tilt * spacing
+    reach = max(abs(start), abs(start + slope * (size - 1)), abs(start + (slope - spacing) * (size - 1)),
+                spacing * (size - 1))  # the largest exponent
+    summing = (_SUFFIX_BLOCK + size / _SUFFIX_BLOCK + 4.0 * reach + 16.0) * _U  # sums, exponents, products
 
     def terms(k: int) -> tuple[float, float, float]:
-        """(allowance, A_k, e^{l_k} W_k) at grid point k."""
+        """(allowance, A_k, e^{l_k} W_k) at grid point k, A rounded up and W down."""
         allowance = float(_allowances(noise, np.array([log_untilt[k]]), decay, np.array([n - 1.0 - k]))[0])
-        return allowance, float(above[k]), math.exp(float(losses[k]) - reference) * float(discounted[k])
+        weighted_k = math.exp(float(losses[k]) - reference) * discounted(k - first_valid)
+        return allowance, above(k - first_valid) * (1.0 + summing), weighted_k * (1.0 - summing)
 
     def profile(k: int) -> float:
         allowance, a, w = terms(k)
@@ -4694,14 +4708,37 @@ def _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, fir
             high = mid
         else:
             low = mid
-    allowance, a, weighted = terms(high - 1)
-    answer = _within_bin(constant + allowance + a - delta, weighted, losses, high)
+    allowance, a, weighted_at = terms(high - 1)
+    answer = _within_bin(constant + allowance + a - delta, weighted_at, losses, high)
     if not allowance > delta / 100.0:
         return answer, False
-    span = np.arange(first_valid + 1, high + 1)
-    return answer, _rounding_may_lower(answer, above[span], np.exp(losses[span] - reference) * discounted[span],
-                                       _allowances(noise, log_untilt[span], decay, n - 1.0 - span), losses[span],
-                                       delta)
+    span, inner = np.arange(first_valid + 1, high + 1), slice(1, high + 1 - first_valid)
+    return answer, _rounding_may_lower(answer, _suffix_sum(masses)[inner],
+                                       np.exp(losses[span] - reference) * _suffix_sum(weighted)[inner],
+                                       _allowances(noise, log_untilt[span], decay, n - 1.0 - span), losses[span], delta)
+
+
+def _suffix_reader(values: np.ndarray):
+    """A function of ``i`` that returns the sum of ``values[j]`` over ``j > i``: each
+    block of :data:`_SUFFIX_BLOCK` entries summed once, and a reading adds the blocks
+    above ``i``'s (a suffix sum over blocks) to what lies above ``i`` in its own block.
+    Pairwise sums within the blocks: no less accurate than one sequential pass."""
+    length = _SUFFIX_BLOCK
+    whole = values.size // length * length
+    totals = values[:whole].reshape(-1, length).sum(axis=1)
+    if whole < values.size:
+        totals = np.append(totals, values[whole:].sum())
+    beyond = _suffix_sum(totals)  # beyond[b]: the blocks above block b
+
+    def read(i: int) -> float:
+        block = i // length
+        return float(values[i + 1: (block + 1) * length].sum() + beyond[block])
+
+    return read
+
+
+#: Block length of :func:`_suffix_reader`.
+_SUFFIX_BLOCK = 1024
 
 
 #: Where rounding decides an answer, it is refined (other tilts and precisions on the same

@@ -1,0 +1,74 @@
+"""Reading epsilon off a composed profile (``pld._invert_profile``): the suffix sums
+read in blocks, and the answer never below the discrete distribution's own.
+
+The oracle sums the profile of the discrete distribution with ``math.fsum`` (each sum
+correctly rounded) at every grid point and bisects on epsilon in the crossing's bin:
+nothing in it shares code with the accountant's inversion."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from dpoptim.accounting import pld as pld_module
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(0, 3000), block=st.sampled_from([1, 3, 64, 1024]), seed=st.integers(0, 2**32 - 1))
+@example(size=0, block=64, seed=0)
+@example(size=1, block=64, seed=0)
+def test_suffix_reader_sums_what_lies_above_each_index(size, block, seed):
+    values = np.random.default_rng(seed).exponential(size=size) ** 3  # (nonnegative, spread over decades)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pld_module, "_SUFFIX_BLOCK", block)
+        read = pld_module._suffix_reader(values)
+    for i in sorted({0, size // 3, size // 2, size - 2, size - 1} & set(range(size))):
+        exact = math.fsum(values[i + 1:])
+        assert read(i) == pytest.approx(exact, rel=1e-13, abs=0.0)
+
+
+def _gaussian_profile(mu: float, spacing: float, tilt: float):
+    """The privacy loss of a Gaussian mechanism (normal, mean mu, variance 2 mu) on a grid
+    of ``spacing``, as ``_invert_profile`` takes it: masses tilted by ``e^{tilt l}``."""
+    low, high = mu - 12.0 * math.sqrt(2.0 * mu), mu + 12.0 * math.sqrt(2.0 * mu)
+    losses = np.arange(math.floor(low / spacing), math.ceil(high / spacing) + 1) * spacing
+    masses = np.exp(-0.5 * (losses - mu) ** 2 / (2.0 * mu))
+    masses /= masses.sum()
+    log_untilt = -tilt * losses
+    return masses * np.exp(-log_untilt), log_untilt, losses, masses
+
+
+def _discrete_epsilon(masses: np.ndarray, losses: np.ndarray, delta: float) -> float:
+    """The smallest epsilon >= 0 with sum of m_k (1 - e^{eps - l_k})_+ <= delta, summed
+    exactly (``math.fsum``) and bisected to the last bit in the crossing's bin."""
+    def profile(epsilon: float) -> float:
+        above = losses > epsilon
+        return math.fsum(masses[above] * -np.expm1(epsilon - losses[above]))
+
+    if profile(0.0) <= delta:
+        return 0.0
+    k = int(np.argmax([profile(float(loss)) <= delta for loss in losses]))  # first grid point certified
+    low, high = max(float(losses[k - 1]), 0.0), float(losses[k])
+    while high > np.nextafter(low, math.inf):
+        middle = 0.5 * (low + high)
+        low, high = (low, middle) if profile(middle) <= delta else (middle, high)
+    return high
+
+
+@settings(max_examples=30, deadline=None)
+@given(mu=st.one_of(st.floats(0.05, 3.0), st.floats(300.0, 3000.0)), points=st.integers(300, 4000),
+       share=st.floats(0.0, 1.0), delta=st.floats(1e-10, 0.3), block=st.sampled_from([16, 1024]))
+@example(mu=0.5, points=2000, share=0.25, delta=1e-6, block=16)
+@example(mu=1000.0, points=3000, share=0.5, delta=1e-9, block=16)  # a window over 600 wide: every point summed
+def test_the_profile_is_read_at_or_above_the_discrete_epsilon(mu, points, share, delta, block):
+    spacing = 24.0 * math.sqrt(2.0 * mu) / points
+    tilt = share * min(8.0, 600.0 / (mu + 12.0 * math.sqrt(2.0 * mu)))  # (the tilted masses stay finite)
+    tilted, log_untilt, losses, masses = _gaussian_profile(mu, spacing, tilt)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pld_module, "_SUFFIX_BLOCK", block)
+        answer, _ = pld_module._invert_profile(tilted, log_untilt, losses, 0.0, (0.0, 0.0), delta)
+    exact = _discrete_epsilon(masses, losses, delta)
+    # never below the distribution's own epsilon; above it by the rounding bounds alone
+    assert exact <= answer <= exact * (1.0 + 1e-6) + 1e-12
