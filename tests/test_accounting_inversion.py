@@ -16,28 +16,33 @@ from dpoptim.accounting import pld as pld_module
 
 
 @settings(max_examples=60, deadline=None)
-@given(size=st.integers(0, 3000), block=st.sampled_from([1, 3, 64, 1024]), seed=st.integers(0, 2**32 - 1))
-@example(size=0, block=64, seed=0)
-@example(size=1, block=64, seed=0)
-def test_suffix_reader_sums_what_lies_above_each_index(size, block, seed):
-    values = np.random.default_rng(seed).exponential(size=size) ** 3  # (nonnegative, spread over decades)
+@given(size=st.integers(0, 3000), block=st.sampled_from([1, 3, 64, 1024]), seed=st.integers(0, 2**32 - 1),
+       start=st.floats(-50.0, 300.0), slope=st.one_of(st.just(0.0), st.floats(-1.0, 0.0)))
+@example(size=0, block=64, seed=0, start=0.0, slope=0.0)
+@example(size=1, block=64, seed=0, start=0.0, slope=0.0)
+@example(size=2048, block=1024, seed=1, start=0.0, slope=0.0)  # whole blocks only
+def test_suffix_reader_sums_what_lies_above_each_index(size, block, seed, start, slope):
+    tilted = np.random.default_rng(seed).exponential(size=size) ** 3  # (nonnegative, spread over decades)
+    terms = [float(t) * math.exp(start + slope * j) for j, t in enumerate(tilted)]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(pld_module, "_SUFFIX_BLOCK", block)
-        read = pld_module._suffix_reader(values)
-    for i in sorted({0, size // 3, size // 2, size - 2, size - 1} & set(range(size))):
-        exact = math.fsum(values[i + 1:])
-        assert read(i) == pytest.approx(exact, rel=1e-13, abs=0.0)
+        read = pld_module._suffix_reader(tilted, start, slope)
+    for i in sorted({0, block - 1, block, size // 3, size // 2, size - 2, size - 1} & set(range(size))):
+        exact = math.fsum(terms[i + 1:])
+        assert read(i) == pytest.approx(exact, rel=1e-12, abs=1e-300)
 
 
 def _gaussian_profile(mu: float, spacing: float, tilt: float):
     """The privacy loss of a Gaussian mechanism (normal, mean mu, variance 2 mu) on a grid
-    of ``spacing``, as ``_invert_profile`` takes it: masses tilted by ``e^{tilt l}``."""
+    of ``spacing``, as ``_invert_profile`` takes it: the masses tilted by ``e^{tilt l}``
+    and normalised (as a transform returns them), with the untilting exponents."""
     low, high = mu - 12.0 * math.sqrt(2.0 * mu), mu + 12.0 * math.sqrt(2.0 * mu)
     losses = np.arange(math.floor(low / spacing), math.ceil(high / spacing) + 1) * spacing
-    masses = np.exp(-0.5 * (losses - mu) ** 2 / (2.0 * mu))
-    masses /= masses.sum()
-    log_untilt = -tilt * losses
-    return masses * np.exp(-log_untilt), log_untilt, losses, masses
+    log_masses = -0.5 * (losses - mu) ** 2 / (2.0 * mu)
+    log_masses -= np.logaddexp.reduce(log_masses)
+    log_tilted = log_masses + tilt * losses
+    cumulant = float(np.logaddexp.reduce(log_tilted))
+    return np.exp(log_tilted - cumulant), cumulant - tilt * losses, losses, np.exp(log_masses)
 
 
 def _discrete_epsilon(masses: np.ndarray, losses: np.ndarray, delta: float) -> float:
@@ -62,9 +67,10 @@ def _discrete_epsilon(masses: np.ndarray, losses: np.ndarray, delta: float) -> f
        share=st.floats(0.0, 1.0), delta=st.floats(1e-10, 0.3), block=st.sampled_from([16, 1024]))
 @example(mu=0.5, points=2000, share=0.25, delta=1e-6, block=16)
 @example(mu=1000.0, points=3000, share=0.5, delta=1e-9, block=16)  # a window over 600 wide: every point summed
+@example(mu=300.0, points=300, share=1.0, delta=1e-10, block=16)
 def test_the_profile_is_read_at_or_above_the_discrete_epsilon(mu, points, share, delta, block):
     spacing = 24.0 * math.sqrt(2.0 * mu) / points
-    tilt = share * min(8.0, 600.0 / (mu + 12.0 * math.sqrt(2.0 * mu)))  # (the tilted masses stay finite)
+    tilt = share * min(8.0, 0.5 * math.sqrt(300.0 / mu))  # (every untilting exponent representable: at most 300)
     tilted, log_untilt, losses, masses = _gaussian_profile(mu, spacing, tilt)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(pld_module, "_SUFFIX_BLOCK", block)
