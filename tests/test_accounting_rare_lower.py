@@ -11,6 +11,7 @@ outcome is several percent low.
 import math
 
 import numpy as np
+import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from scipy import special, stats
@@ -170,3 +171,25 @@ def test_a_tilted_body_beyond_the_window_does_not_raise_the_bound(sigma, log_q, 
     above = revealed_count_epsilon(sigma, q, steps, delta)
     guess = epsilon_of_ledger([(sigma, q, steps)], delta)
     assert rare_lower.spread_lower_bound(((sigma, q, steps),), direction, delta, guess) <= above * (1.0 + 1e-9)
+
+
+def exact_remove_epsilon(sigma, q, delta):
+    """Exact epsilon of one subsampled Gaussian step, removal, in logarithms (for losses
+    in the thousands, beyond what the profile in linear terms holds)."""
+    def profile(eps):
+        threshold = sigma * sigma * (eps + math.log1p(-(1.0 - q) * math.exp(-eps)) - math.log(q)) + 0.5
+        sampled = math.log(q) + special.log_ndtr(-(threshold - 1.0) / sigma)
+        discounted = eps + math.log1p(-(1.0 - q) * math.exp(-eps)) + special.log_ndtr(-threshold / sigma)
+        return math.exp(sampled) * -math.expm1(discounted - sampled)
+    return brentq(lambda eps: profile(eps) - delta, 1.0, 1e5, xtol=1e-12, rtol=1e-14)
+
+
+def test_losses_thousands_apart_do_not_underflow_the_discounts():
+    # Sigma 0.02, q 0.11: the merged bulk sits near 0 and the tail near 1479. The lower
+    # bound's discounted sums scaled every term by e^{-l} from the lowest loss, which
+    # underflowed to 0 for the tail, and the bound read 1479.23 against the exact 1478.64.
+    sigma, q, delta = 0.020140012847086528, 0.11461693058194451, 3.017612380248321e-08
+    exact = exact_remove_epsilon(sigma, q, delta)
+    assert exact == pytest.approx(1478.6368187788, rel=1e-10)  # (50-digit arithmetic)
+    assert rare_lower.split_lower_bound(((sigma, q, 1),), "remove", delta, 1475.6) <= exact
+    assert pld_module.pld_epsilon_lower_bound([(sigma, q, 1)], delta) <= exact

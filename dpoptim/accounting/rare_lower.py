@@ -102,24 +102,27 @@ def _tail_bins(sigma: float, q: float, direction: str, a: float, reach: float, s
 
 
 def _lower_epsilon(losses: np.ndarray, masses: np.ndarray, delta: float) -> float:
-    """The largest epsilon >= 0 (to a relative 1e-9) at which the profile of point masses
-    ``masses`` at increasing ``losses``, less a bound on its rounding (a few round-offs
-    per term of its sums), is above ``delta`` (0.0 where none is): a lower bound on the
-    epsilon of any profile above it."""
+    r"""The largest epsilon >= 0 (to a relative 1e-9) at which the profile of point masses
+    ``masses`` at increasing ``losses``, less a bound on its rounding, is above ``delta``
+    (0.0 where none is): a lower bound on the epsilon of any profile above it.
+
+    The discounted sums :math:`\sum_{j \ge i} m_j e^{-l_j}` are kept as logarithms: losses
+    often span more than the 745 that a float64 factor :math:`e^{-l}` can (a bulk near 0
+    beside tail steps at 1479, sigma 0.02), and a discount that underflowed to 0 would
+    raise the profile. Their rounding is a few round-offs per term of the logarithms'
+    sizes, which the allowance covers."""
     above = np.concatenate([np.cumsum(masses[::-1])[::-1], [0.0]])
-    reference = float(losses[-1])
-    offset = float((reference - losses).max())  # m_j e^{r - l_j - offset}: no exponent above 0
-    with np.errstate(under="ignore"):
-        weighted = masses * np.exp(reference - losses - offset)
-    discounted = np.concatenate([np.cumsum(weighted[::-1])[::-1], [0.0]])
+    with np.errstate(divide="ignore"):
+        log_terms = np.log(masses) - losses
+    log_discounted = np.concatenate([np.logaddexp.accumulate(log_terms[::-1])[::-1], [-np.inf]])
+    reach = float(np.abs(log_terms[np.isfinite(log_terms)]).max(initial=0.0))
 
     def exceeds(epsilon: float) -> bool:  # the profile, less a bound on its rounding, above delta
         i = int(np.searchsorted(losses, epsilon, side="right"))  # entries with loss > epsilon
         if i >= losses.size:
             return False
-        with np.errstate(over="ignore"):
-            subtract = math.exp(epsilon - reference + offset + math.log(discounted[i])) if discounted[i] > 0 else 0.0
-        error = 4.0 * (losses.size + 4) * _pld._U * (float(above[i]) + subtract)
+        subtract = math.exp(epsilon + log_discounted[i]) if log_discounted[i] > -math.inf else 0.0
+        error = 4.0 * (losses.size + 4) * _pld._U * (float(above[i]) + subtract * (2.0 + abs(epsilon) + reach))
         return float(above[i]) - subtract - error > delta
 
     if not exceeds(0.0):
