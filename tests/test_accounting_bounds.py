@@ -1317,7 +1317,10 @@ def test_rounding_is_refined_only_where_it_could_lower_epsilon_by_more_than_a_sh
     # Two ledgers whose float64 answers rounding decides. Over 3025 steps a pair the
     # allowance moves the answer by 5 parts in 10^5 (6683.63 against 6683.31 refined):
     # not refined, and within the share of the refined answer. Over 1000 steps of 150
-    # pairs it moves it by 0.09% (3456.1 against 3453.1): refined, as before.
+    # pairs it moves it by 0.09% (3456.1 against 3453.1): refined, as before. Both on one
+    # window holding 0 for both directions: on windows of their own (epsilon lies far
+    # above the loss's spread), the larger tilt leaves rounding deciding neither.
+    monkeypatch.setattr(pld_module, "_bottom_margin", lambda delta: math.inf)
     composed = _record_compositions(monkeypatch)
     answers = {}
     for share in (pld_module._REFINE_SHARE, 0.0):  # 0: every answer rounding decides is refined
@@ -1441,7 +1444,9 @@ def test_no_extended_precision_where_no_untilting_factor_is_representable(monkey
     # Epsilon near 2*10^5 over 10^7 steps: at the grid's tilt every point's untilting
     # factor, cgf - tilt * loss, is beyond e^300 (the bins spread each step's loss over
     # 10^7 steps), and so at a quarter of it; those factors do not depend on the
-    # precision, so extended precision (6 s a direction on 2^20 points) is not tried.
+    # precision, so extended precision (6 s a direction on 2^20 points) is not tried. On
+    # one window from 0 for both directions (on windows of their own, the grid answers).
+    monkeypatch.setattr(pld_module, "_OWN_WINDOWS", math.inf)
     ledger = _heavy_schedule(100, 100_000)
     composed = _record_compositions(monkeypatch)
     reported = pld_epsilon(ledger, 2.85e-10, max_groups=16)
@@ -1454,7 +1459,9 @@ def test_no_extended_precision_where_the_mass_beyond_the_window_alone_exceeds_de
     # Epsilon near 1.8*10^5 (q 0.014 to 0.098 over 10^7 steps, delta 0.027): the bound on
     # what lies beyond the grid's window is 1, above delta by itself at every point, in any
     # precision; extended precision (5.6 s a direction on 2^20 points) is not tried, and
-    # the other bounds answer.
+    # the other bounds answer. On one window from 0 for both directions (on windows of
+    # their own the grid answers, above the other bounds).
+    monkeypatch.setattr(pld_module, "_OWN_WINDOWS", math.inf)
     ledger = [(0.597 - 0.131 * t / 99, 0.0137 * (0.0978 / 0.0137) ** (t / 99), 100_000) for t in range(100)]
     composed = _record_compositions(monkeypatch)
     reported = pld_epsilon(ledger, 0.027)
@@ -1620,7 +1627,9 @@ def test_a_mixture_ledger_too_coarse_for_its_grid_reports_its_mixtures_rdp(monke
     # Epsilon in the thousands over 40 pairs in two mixture groups, on 2^12 points: the
     # grid's bins lose far more than RDP's conversion, and the groups' corners spread q by
     # a factor of 2.6 each. Their mixtures' RDP is sound (the lower bound says) and far
-    # tighter than what the accountant reported without it.
+    # tighter than what the accountant reported without it. On one window from 0 for both
+    # directions (windows of their own, far finer, leave the grid near the RDP).
+    monkeypatch.setattr(pld_module, "_OWN_WINDOWS", math.inf)
     ledger = _heavy_schedule(40, 1000)
     reported = pld_epsilon(ledger, 1e-9, grid_points=2**12, max_groups=8)
     with monkeypatch.context() as patch:

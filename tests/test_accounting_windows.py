@@ -1,0 +1,84 @@
+"""Each direction's own window where epsilon lies far above the loss's spread.
+
+Where epsilon is in the hundreds of thousands, a direction's composed loss is a narrow
+body far from 0. One window holding both directions and 0 then spreads the bins over
+the whole range from 0 (2 apart on 2^20 points), while the body needs a tenth of it.
+The windows of :func:`dpoptim.accounting.pld._narrow_grid` start near each direction's
+own body there. Judged against the rigorous lower bound, and against the exact Gaussian
+of a full batch (composed without a grid), which a run at q just below 1 may not exceed.
+"""
+
+import math
+import warnings
+
+import pytest
+import scipy.stats
+
+from dpoptim.accounting import pld as pld_module
+from dpoptim.accounting.gaussian import gaussian_epsilon
+from dpoptim.accounting.ledger import Ledger
+from dpoptim.accounting.pld import pld_epsilon, pld_epsilon_lower_bound
+
+#: Two runs at q just below 1: sigma 0.063 over 5,938 steps (epsilon about 7.7*10^5) and
+#: sigma 1.88 over 93,352. On one window from 0 the grid lay 0.43% above the lower bound
+#: and 0.17% above the same ledger at q = 1.
+FAR = [(0.063, 0.997, 5938), (1.88, 0.997, 93352)]
+FAR_DELTA = 5.6e-8
+
+
+def _at_rate(runs, q):
+    return [(sigma, q, count) for sigma, _, count in runs]
+
+
+def test_epsilon_far_above_the_spread_is_bracketed_within_a_tenth_of_a_percent():
+    upper = pld_epsilon(FAR, FAR_DELTA)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no step's dominated distribution left empty
+        lower = pld_epsilon_lower_bound(FAR, FAR_DELTA)
+    assert lower <= upper <= lower * 1.001, (upper, lower)
+
+
+@pytest.mark.parametrize("q", [0.99, 0.997, 0.999])
+def test_a_full_batch_turned_subsampled_does_not_raise_epsilon(q):
+    # At q = 1 the runs compose exactly, as one Gaussian; just below, on the grid, which
+    # lies within 0.03% of the truth here: from 1 - 1e-3 down, the truth falls by more
+    # (closer to 1 it may not, see docs/accounting.md).
+    assert pld_epsilon(_at_rate(FAR, q), FAR_DELTA) <= pld_epsilon(_at_rate(FAR, 1.0), FAR_DELTA)
+
+
+def test_three_runs_beside_a_heavy_one_stay_below_their_full_batch():
+    # A run at q 0.33 beside the two: 1,624,413 on one window from 0, 1.6% above the
+    # same ledger with q 0.997 raised to 1 (1,598,965); now below it.
+    runs = [(0.066, 0.33, 21193), (0.063, 0.997, 5938), (1.88, 0.997, 93352)]
+    raised = [(sigma, 1.0 if q > 0.99 else q, count) for sigma, q, count in runs]
+    assert pld_epsilon(runs, FAR_DELTA) <= pld_epsilon(raised, FAR_DELTA)
+
+
+def test_each_direction_reads_its_own_window():
+    steps = tuple(tuple(run) for run in Ledger(FAR).runs)
+    grid = pld_module._choose_grid(steps, FAR_DELTA, 2**14, 2**20, pld_module._rdp_guess(steps, FAR_DELTA),
+                                   tail_fraction=pld_module._CHECKED_CUT)
+    assert grid.lows is not None and grid.lows["remove"] > 0 and grid.lows["remove"] != grid.lows["add"]
+    removal = pld_module._directed(grid, "remove")
+    assert removal.i_low == grid.lows["remove"] and removal.lows is None
+    answer = pld_epsilon(FAR, FAR_DELTA)
+    assert removal.i_low * grid.spacing < answer < (removal.i_low + grid.n) * grid.spacing
+
+
+def test_windows_that_reach_zero_stay_one_window():
+    # An epsilon near the loss's spread: both directions' edges lie near 0, and one window
+    # holds both, as always.
+    steps = ((1.0, 0.01, 1000),)
+    grid = pld_module._narrow_grid(steps, 2**16, math.inf, pld_module._CHECKED_CUT * 1e-5, 1e-5)
+    assert grid is None or grid.lows is None
+
+
+@pytest.mark.parametrize("mu", [3.0, 30.0, 1000.0])
+@pytest.mark.parametrize("delta", [1e-10, 1e-3, 0.1, 0.24])
+def test_the_margin_keeps_the_answer_inside_the_window(mu, delta):
+    # The mu-Gaussian loss is N(mu^2 / 2, mu^2): its lower edge at the share t of delta the
+    # windows are cut for, and its exact epsilon, which may lie below that edge by at most
+    # -log(1 - 2 delta), never by the margin.
+    t = pld_module._CHECKED_CUT * delta
+    low = mu * mu / 2.0 - mu * float(scipy.stats.norm.isf(t))
+    assert gaussian_epsilon(delta, mu) >= low - pld_module._bottom_margin(delta) + 1.0
