@@ -3442,8 +3442,8 @@ def _dominated_masses(p: np.ndarray, log_q: np.ndarray, errors: np.ndarray, firs
     loss, at most the top: rounding a loss down, which lowers every profile (pointwise in
     the loss). Q-masses are compared *aimed*, :math:`e^{x} q_j` for the grid value ``x``
     aimed at, from logarithms (:func:`_aimed`): near ``x`` that is near the P-mass,
-    however large the loss (beyond 709 at small sigma, where Q-masses underflow); bins of
-    P-mass below 1e-300 are dropped. Floating point: an outcome made of bins whose masses
+    however large the loss (beyond 709 at small sigma, where Q-masses underflow); some
+    bins are dropped (:func:`_usable_bins`). Floating point: an outcome made of bins whose masses
     err by at most a relative :math:`\kappa` has a loss within :math:`2.5\kappa` of the
     computed one, so it is aimed that far above its grid point (plus a few round-offs)
     and its P-mass scaled down by as much; held sums are rounded against the answer (P
@@ -3452,9 +3452,9 @@ def _dominated_masses(p: np.ndarray, log_q: np.ndarray, errors: np.ndarray, firs
     size = p.size - 1 if points is None else points
     out = [0.0] * max(size, 0)
     margins = 2.5 * np.asarray(errors) + 8.0 * _U
-    usable = (margins < 0.25) & (p >= _SMALLEST_MERGED) if size > 0 else np.zeros(p.size, bool)
-    p, log_q, margins = p[usable], log_q[usable], margins[usable]  # dropping a bin only lowers a profile
     bottom = first * spacing + offset
+    usable = _usable_bins(p, log_q, margins, bottom) if size > 0 else np.zeros(p.size, bool)
+    p, log_q, margins = p[usable], log_q[usable], margins[usable]  # dropping a bin only lowers a profile
     exponents = ((first + np.arange(size)) * spacing + offset).tolist()
     k = 0  # the grid point aimed at next
     held_p = held_a = held_margin = 0.0  # merged P-mass not yet placed, its aimed Q-mass, its margin
@@ -3483,9 +3483,23 @@ def _dominated_masses(p: np.ndarray, log_q: np.ndarray, errors: np.ndarray, firs
     return np.asarray(out)
 
 
+def _usable_bins(p: np.ndarray, log_q: np.ndarray, margins: np.ndarray, bottom: float) -> np.ndarray:
+    """Which bins :func:`_dominated_masses` merges (dropping an outcome only lowers every
+    profile): not those whose masses err by 10% or more, nor those of P-mass below
+    :data:`_SMALLEST_MERGED`, nor those whose Q-mass aimed at the lowest grid value
+    ``bottom`` overflows the float range (losses over 709 below it, next to no P-mass
+    where a window lies far above 0: a full batch at sigma 9.4e-4 on a window from
+    5.4*10^5 has P-mass e^-265 below it, and Q-mass 1)."""
+    return (margins < 0.25) & (p >= _SMALLEST_MERGED) & (bottom + log_q <= _LARGEST_EXPONENT)
+
+
 #: Bins of smaller P-mass are left out of the dominated distributions (see
 #: :func:`_dominated_masses`): no aimed quantity is then subnormal.
 _SMALLEST_MERGED = 1e-300
+
+#: ... and bins whose aimed Q-mass ``e^{x + log q}`` would overflow at the lowest grid
+#: value ``x`` (the float range's largest exponent).
+_LARGEST_EXPONENT = math.log(float(np.finfo(np.float64).max))
 
 
 def _aimed(x: float, log_q: float) -> float:
