@@ -4207,12 +4207,8 @@ def _anchor_ends(groups, direction: str, grid: _Grid, delta: float) -> dict:
             uses[anchor] = uses.get(anchor, 0) + group.corner[2]
     highest = max(grid.tops[direction]) if grid.tops and grid.tops.get(direction) else grid.i_low + grid.n - 1
     highest = min(grid.i_low + _ANCHOR_SNAP * -(-(highest - grid.i_low) // _ANCHOR_SNAP), grid.i_low + grid.n - 1)
-    # no lower than the window's bottom where it starts at or below 0; where it starts far
-    # above (a direction's own window, :func:`_narrow_grid`), an anchor's support lies
-    # below it, as a corner's does (the composition is circular), shorter than the window
-    lowest = grid.i_low if grid.i_low <= 0 else highest - grid.n + 2
     bottoms, tops = _tail_ends(tuple((sigma, q, count) for (sigma, q), count in uses.items()), grid.spacing,
-                               lowest, highest, _TAIL_FRACTION * delta)
+                               _lowest_kept(grid, highest), highest, _TAIL_FRACTION * delta)
     return dict(zip(uses, zip(bottoms[direction], tops[direction])))
 
 
@@ -4555,9 +4551,17 @@ def _step_bottoms(grid: _Grid, direction: str, count: int, lower: bool = True) -
     composed loss puts below the window :func:`_below_window` bounds)."""
     if not lower:
         return grid.bottoms[direction] if grid.bottoms else (grid.i_low,) * count
-    if grid.i_low <= 0 or not grid.tops or not grid.tops.get(direction):
+    if not grid.tops or not grid.tops.get(direction):
         return (grid.i_low,) * count
-    return tuple(top - grid.n + 2 for top in grid.tops[direction])
+    return tuple(_lowest_kept(grid, top) for top in grid.tops[direction])
+
+
+def _lowest_kept(grid: _Grid, top: int) -> int:
+    """The lowest index a step or anchor of highest index ``top`` keeps on ``grid`` (as
+    its direction reads it): the window's bottom where that is at or below 0; where the
+    window starts far above 0 (a direction's own, :func:`_narrow_grid`), as low as keeps
+    the support shorter than the window, as a corner's is (the composition is circular)."""
+    return grid.i_low if grid.i_low <= 0 else top - grid.n + 2
 
 
 def _below_window(steps, direction, grid: _Grid) -> float:
