@@ -4199,8 +4199,8 @@ def _anchor_ends(groups, direction: str, grid: _Grid, delta: float) -> dict:
     window's: two such losses together wrap around, magnified by the untilting factor
     ``e^{tilt * width}`` (e^45 for 129 pairs at q 2.1e-5, whose epsilon came out at 0.263
     where 128 and 130 pairs give 0.0034 and 0.0037). Mass moved to +inf is counted in
-    full (:func:`_mixture_product`), so the cut is sound at any height."""
-    grid = _directed(grid, direction)
+    full (:func:`_mixture_product`), so the cut is sound at any height. ``grid`` as
+    ``direction`` reads it (:func:`_directed`), as :func:`_mixture_product` passes it."""
     uses: dict[tuple[float, float], int] = {}
     for group in groups:
         for anchor in group.anchors:
@@ -4571,8 +4571,9 @@ def _below_window(steps, direction, grid: _Grid) -> float:
     it would raise delta: the lower bound subtracts this bound on it, from the exact
     moment generating function of the grid distributions composed. Mass above the window
     wraps to low losses, which can only lower delta: harmless for a lower bound.
+    ``grid`` as ``direction`` reads it (:func:`_directed`), as :func:`_compose_direction`
+    passes it.
     """
-    grid = _directed(grid, direction)
     lambdas = np.geomspace(1e-3, 1e9, 61)  # narrow loss distributions need large lambdas
     log_down = np.zeros_like(lambdas)
     bottoms = _step_bottoms(grid, direction, len(steps))
