@@ -40,12 +40,29 @@ def test_epsilon_far_above_the_spread_is_bracketed_within_a_tenth_of_a_percent()
     assert lower <= upper <= lower * 1.001, (upper, lower)
 
 
-@pytest.mark.parametrize("q", [0.99, 0.997, 0.999])
+@pytest.mark.parametrize("q", [0.99, 0.997, 0.999, 0.9999, 1.0 - 1e-6])
 def test_a_full_batch_turned_subsampled_does_not_raise_epsilon(q):
     # At q = 1 the runs compose exactly, as one Gaussian; just below, on the grid, which
-    # lies within 0.03% of the truth here: from 1 - 1e-3 down, the truth falls by more
-    # (closer to 1 it may not, see docs/accounting.md).
+    # lies within 0.03% of the truth here: from 1 - 1e-3 down, the truth falls by more.
+    # Closer to 1 the grid alone may not, and the bound with every q raised to 1 holds it.
     assert pld_epsilon(_at_rate(FAR, q), FAR_DELTA) <= pld_epsilon(_at_rate(FAR, 1.0), FAR_DELTA)
+
+
+@pytest.mark.parametrize("runs, delta", [
+    ([(1.413, 1.0, 53993)], 1.1e-11),
+    ([(0.869, 1.0, 197185)], 0.002),
+    ([(0.9222, 1.0, 365), (7.7186, 1.0, 4)], 3.17e-8),
+    ([(0.1312, 1.0, 9), (8.3123, 1.0, 118), (7.1174, 1.0, 12218), (1.1172, 1.0, 2), (0.3291, 1.0, 8)], 1.58e-7),
+])
+def test_epsilon_never_rises_as_q_nears_one(runs, delta):
+    # q = 1 is composed exactly. Just below it the Gaussian mixture's rounding put the first
+    # two 2e-11 and 4e-11 of epsilon above it, and the grid the last two up to 1.3e-4 and
+    # 5.3e-4 (from q = 0.9999 on); the bound with every q raised to 1 keeps them at or
+    # below it (and above the rigorous lower bound).
+    values = [pld_epsilon(_at_rate(runs, q), delta) for q in (0.9999, 1.0 - 1e-5, 1.0 - 1e-6, 1.0 - 1e-7, 1.0)]
+    assert all(a <= b for a, b in zip(values, values[1:])), values
+    near = _at_rate(runs, 1.0 - 1e-6)
+    assert pld_epsilon_lower_bound(near, delta) <= values[2]
 
 
 def test_three_runs_beside_a_heavy_one_stay_below_their_full_batch():
