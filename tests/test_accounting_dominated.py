@@ -103,3 +103,18 @@ def test_a_ledger_led_by_such_steps_is_bracketed_within_a_tenth_of_a_percent():
     runs, delta = [(0.0524, 0.5122, 862), (0.0891, 0.7954, 270)], 1.27e-7
     lower, upper = pld_epsilon_lower_bound(runs, delta), pld_epsilon(runs, delta)
     assert lower <= upper <= lower * 1.001, (lower, upper)
+
+
+@settings(max_examples=30, deadline=None)
+@given(sigma=st.floats(0.05, 5.0), q=st.floats(1e-4, 1.0, exclude_max=True), direction=st.sampled_from([REMOVE, ADD]))
+def test_a_subsampled_step_is_dominated_by_its_full_batch(sigma, q, direction):
+    # Keeping the draw with probability q, else drawing afresh from N(0) (removal) or N(1)
+    # (addition), turns the full-batch pair into the subsampled one: its profile is below
+    # the Gaussian mechanism's (mu = 1 / sigma), which bounds epsilon as q nears 1.
+    mu = 1.0 / sigma
+    for eps in np.linspace(0.0, 3.0 * mu * mu + 3.0 * mu, 41):
+        cdf, log_cdf = scipy.stats.norm.cdf, scipy.stats.norm.logcdf
+        gaussian = cdf(-eps / mu + mu / 2) - math.exp(eps + log_cdf(-eps / mu - mu / 2))
+        assert exact_profile(sigma, q, direction, float(eps)) <= gaussian + 1e-12, (eps, gaussian)
+    steps = 1 + int(1e3 * q)
+    assert pld_epsilon([(sigma, q, steps)], 1e-6) <= pld_epsilon([(sigma, 1.0, steps)], 1e-6)

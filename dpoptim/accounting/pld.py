@@ -987,10 +987,12 @@ def _full_batch_bound(noisy: tuple, deltas: dict, shift: float) -> float:
     :math:`\mu = \sqrt{\sum_r T_r / \sigma_r^2}` (Dong, Roth & Su 2019, Gaussian
     Differential Privacy: Gaussian mechanisms compose into one), read at each direction's
     delta and shifted as the noisy rest is (:func:`_noisy_rest`). A sound upper bound: a
-    subsampled step's pair :math:`((1-q)\,\mathcal N(0,\sigma^2) + q\,\mathcal N(1,\sigma^2),
-    \mathcal N(0,\sigma^2))` is its full-batch pair :math:`(\mathcal N(1,\sigma^2),
-    \mathcal N(0,\sigma^2))` post-processed (keep the draw with probability q, else draw
-    afresh from :math:`\mathcal N(0,\sigma^2)`), in either direction, and post-processing
+    subsampled step's pair is its full-batch pair :math:`(\mathcal N(1,\sigma^2),
+    \mathcal N(0,\sigma^2))` post-processed: keep the draw with probability q, else draw
+    afresh from :math:`\mathcal N(0,\sigma^2)` (removal, :math:`((1-q)\,\mathcal
+    N(0,\sigma^2) + q\,\mathcal N(1,\sigma^2), \mathcal N(0,\sigma^2))`) or from
+    :math:`\mathcal N(1,\sigma^2)` (addition, :math:`(\mathcal N(1,\sigma^2),
+    q\,\mathcal N(0,\sigma^2) + (1-q)\,\mathcal N(1,\sigma^2))`); post-processing
     never raises a privacy profile (the coupling of Balle, Barthe & Gaboardi 2018, Privacy
     Amplification by Subsampling). Exact at q = 1, so epsilon never rises as q nears 1:
     the mixtures' rounding put q = 1 - 1e-6 2e-11 of epsilon above q = 1 (sigma 1.41,
