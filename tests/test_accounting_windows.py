@@ -65,6 +65,20 @@ def test_epsilon_never_rises_as_q_nears_one(runs, delta):
     assert pld_epsilon_lower_bound(near, delta) <= values[2]
 
 
+@pytest.mark.parametrize("runs, delta", [
+    ([(5.281, 0.002123, 3), (0.2934, 1.0, 20), (1.142, 0.02478, 2748), (5.583, 4.595e-06, 9550)], 2.18e-6),
+    ([(3.055, 0.01869, 20858), (0.9371, 1.0, 1052), (0.07102, 0.0164, 6515), (7.965, 0.007872, 720),
+      (0.06797, 1.346e-06, 2539)], 2.25e-10),
+])
+def test_a_full_batch_beside_subsampled_runs_never_rises_as_its_q_nears_one(runs, delta):
+    # The full batch joins one Gaussian step at q = 1; just below, it went on the grid,
+    # whose bins put epsilon 4e-5 and 1.3e-5 above q = 1 at q 0.9999. The same ledger with
+    # that run raised to q = 1 bounds it (a second composition, from q 0.9 on).
+    values = [pld_epsilon([(sigma, q if q < 1.0 else near, count) for sigma, q, count in runs], delta)
+              for near in (0.9, 0.99, 0.999, 0.9999, 1.0)]
+    assert all(a <= b for a, b in zip(values, values[1:])), values
+
+
 def test_three_runs_beside_a_heavy_one_stay_below_their_full_batch():
     # A run at q 0.33 beside the two: 1,624,413 on one window from 0, 1.6% above the
     # same ledger with q 0.997 raised to 1 (1,598,965); now below it.
