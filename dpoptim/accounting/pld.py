@@ -991,8 +991,8 @@ def _raised_bound(runs: tuple, delta: float, deltas: dict, shift: float, setting
     the others: just below q = 1 a run went on the grid instead, whose bins put epsilon
     up to 0.05% above the same ledger at q = 1 (docs/accounting.md)."""
     noisy = tuple(run for run in runs if run.noise_multiplier > 0.0)
-    near = [run.sample_rate >= _NEAR_FULL for run in noisy]
-    if all(near) or not any(_NEAR_FULL <= run.sample_rate < 1.0 for run in noisy):
+    if all(run.sample_rate >= _NEAR_FULL for run in noisy) or not any(_NEAR_FULL <= run.sample_rate < 1.0
+                                                                       for run in noisy):
         return _full_batch_bound(noisy, deltas, shift)
     raised = [(s, 1.0 if s > 0.0 and q >= _NEAR_FULL else q, c) for s, q, c in runs]
     return _noted_pld_epsilon(Ledger(raised).runs, delta, *settings, 0)[0]
@@ -1015,9 +1015,9 @@ def _full_batch_bound(noisy: tuple, deltas: dict, shift: float) -> float:
     q\,\mathcal N(0,\sigma^2) + (1-q)\,\mathcal N(1,\sigma^2))`); post-processing
     never raises a privacy profile (the coupling of Balle, Barthe & Gaboardi 2018, Privacy
     Amplification by Subsampling). Exact at q = 1, so epsilon never rises as q nears 1:
-    the mixtures' rounding put q = 1 - 1e-6 2e-11 of epsilon above q = 1 (sigma 1.41,
-    53,993 steps, delta 1.1e-11), and the grid five runs at q 0.9999 4.6e-4 (delta
-    1.6e-7)."""
+    the mixtures' rounding put a run at q = 1 - 1e-6 2e-11 of epsilon above q = 1
+    (sigma 1.41, 53,993 steps, delta 1.1e-11), and the grid five runs at q 0.9999 4.6e-4
+    above (delta 1.6e-7)."""
     mu = gaussian_mu(noisy)
     return _shifted_max({d: _gaussian_epsilon_bound(deltas[d], mu, False) for d in deltas}, shift)
 
@@ -3558,7 +3558,7 @@ def _merged_onto(p: np.ndarray, log_q: np.ndarray, margins: np.ndarray, exponent
 
 
 def _rounds_down(bins: tuple, p_j: float, a_j: float, held: tuple, points: list, lift: float) -> bool:
-    """Whether :func:`_dominated_masses` places the held outcome at the grid point below
+    """Whether :func:`_merged_onto` places the held outcome at the grid point below
     rather than lifting it to the next with the bins above (``bins``: the arrays ``p``,
     ``log_q`` and the index ``j`` of the next bin, of P-mass ``p_j`` and Q-mass aimed at
     the next point ``a_j`` left; ``held``: P-mass, aimed Q-mass and margin held;
@@ -3570,7 +3570,7 @@ def _rounds_down(bins: tuple, p_j: float, a_j: float, held: tuple, points: list,
     Where a step's loss has a gap (tiny sigma at q near 0.5: a spike near log(1 - q),
     the bulk of the sampled steps near 1 / (2 sigma^2)), lifting the spike by a fraction
     of a bin took part of the bulk down by about 1 / (2 sigma^2) (sigma 0.052, q 0.51:
-    8% of the mean loss). Only where the held loss lies clear of the point below (by
+    7% of the mean loss). Only where the held loss lies clear of the point below (by
     four times its margin and the round-off of the grid values): rounding a loss down
     lowers every profile."""
     held_p, held_a, margin = held
