@@ -105,8 +105,9 @@ composition of a pair that each step's true one *dominates*, its bins merged ont
 grid by a post-processing (:func:`_dominated_masses`); rounding every loss down instead
 (Koskela, Jälkö & Honkela 2020) loses half a bin per step.
 
-The reported epsilon is the smallest of this PLD value, the RDP bound and the
-Gaussian-mixture bound of :mod:`.gaussian` (tight for tiny sigma), all sound. Ledgers with
+The reported epsilon is the smallest of this PLD value, the RDP bound, the
+Gaussian-mixture bound of :mod:`.gaussian` (tight for tiny sigma) and the same ledger with
+its runs near q = 1 raised to 1 (:func:`_raised_bound`), all sound. Ledgers with
 more than 64 distinct ``(sigma, q)`` pairs are grouped pessimistically first, by cost
 (:func:`~dpoptim.accounting.ledger.coarsen_runs`). Noiseless steps are exact (see
 :func:`_noted_pld_epsilon`).
