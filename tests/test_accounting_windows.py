@@ -79,6 +79,17 @@ def test_a_full_batch_beside_subsampled_runs_never_rises_as_its_q_nears_one(runs
     assert all(a <= b for a, b in zip(values, values[1:])), values
 
 
+def test_a_full_batch_beside_a_run_of_its_own_near_one_never_rises_as_its_q_nears_one():
+    # A run at q 0.92 of the ledger's own: raising every run from q 0.9 on raised it too,
+    # and the grid put the full batch lowered to q 0.999 and 0.9999 1.6e-7 and 7.2e-7 of
+    # epsilon above q = 1. The same ledger with only the runs from q 0.999 (0.9999) on
+    # raised is the ledger at q = 1.
+    runs = [(0.5851, 1.0, 4), (0.158, 0.6006, 1375), (0.2189, 0.9213, 49)]
+    values = [pld_epsilon([(sigma, q if q < 1.0 else near, count) for sigma, q, count in runs], 1.58e-6)
+              for near in (0.999, 0.9999, 1.0)]
+    assert all(a <= b for a, b in zip(values, values[1:])), values
+
+
 def test_three_runs_beside_a_heavy_one_stay_below_their_full_batch():
     # A run at q 0.33 beside the two: 1,624,413 on one window from 0, 1.6% above the
     # same ledger with q 0.997 raised to 1 (1,598,965); now below it.
