@@ -85,6 +85,20 @@ def test_a_ledger_of_two_runs_is_bracketed_with_its_bulk_kept():
     assert lower > rare_lower.split_lower_bound(runs, "remove", 1e-12, upper)
 
 
+def test_a_step_whose_losses_all_lie_below_the_cut_adds_no_tail():
+    # Addition at tiny q: sigma 0.055 at q 3e-5 never loses more than -log(1 - q) = 3e-5,
+    # far below the cut (0.15) the other runs' tails set. Its "tail" was one bin from the
+    # cut down to its losses, which held its whole bulk a second time: the bound read
+    # 0.519 where the split's upper bound is 0.3347.
+    runs = Ledger([(2.645, 3.593e-3, 4983), (0.05503, 3.019e-5, 43), (4.215, 0.2395, 6)]).runs
+    delta = 1.552e-3
+    upper = rare.split_epsilon(runs, "add", delta, 0.45)[0]
+    kept = rare_lower.spread_lower_bound(runs, "add", delta, 0.45, points=2**17)
+    assert_bracketed(upper, kept, rel=5e-3)
+    _, masses = rare_lower._tail_bins(0.05503, 3.019e-5, "add", 0.15, 0.5, 0.25)
+    assert not masses.any()
+
+
 def test_a_ledger_whose_grid_bound_is_loose_takes_the_bulk_kept_on_its_pairs():
     # What pld_epsilon_lower_bound takes for a ledger of several pairs whose other bounds
     # are 1% low (215 pairs of 780 steps from sigma 2.87 at q 4.5e-6 to sigma 0.66 at q
