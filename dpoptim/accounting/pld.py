@@ -1422,6 +1422,12 @@ _QUICK_ADDITION = 64.0
 _NEARER_ADDITION = 8.0
 _NEAR_ENOUGH = 2.0
 
+#: ... and, failing those, for this many times removal's answer: one scale of the split
+#: above removal's own, where the bins are four times coarser. 10^4 one-step pairs from
+#: sigma 1.2 at q 1e-4 to sigma 0.6 at q 1e-5 (delta 1e-5): addition 0.01463 on removal's
+#: scale took 2.1 s, where removal's answer is 0.01596 and one scale above settles it.
+_LAST_QUICK_ADDITION = 2.0
+
 
 def _split_first(steps: tuple, deltas: dict, guess: float, again: bool = True, shift: float = 0.0,
                  points: int = _FIRST_SPLIT_POINTS, beside: dict | None = None) -> dict | None:
@@ -1459,6 +1465,11 @@ def _split_first(steps: tuple, deltas: dict, guess: float, again: bool = True, s
     below = _addition_below(steps, deltas[_ADD], removal[0] - shift) if len(steps) == 1 else None
     if below is not None:
         return {_REMOVE: removal[0], _ADD: below}
+    if again:  # one scale above removal's answer first: a half to a third of the cost
+        quick = rare.split_epsilon(steps, _ADD, deltas[_ADD], _LAST_QUICK_ADDITION * max(removal[0], 1e-300), False,
+                                   points, whole=True)
+        if quick is not None and quick[0] + shift <= removal[0]:
+            return {_REMOVE: removal[0], _ADD: quick[0]}
     addition = rare.split_epsilon(steps, _ADD, deltas[_ADD], max(removal[0], 1e-300) if again else guess, False,
                                   points, whole=True)
     if again and addition is not None and addition[0] + shift > removal[0]:
