@@ -6,6 +6,7 @@
     python -m benchmarks.bench_accounting --groups     # the schedule at several group limits
     python -m benchmarks.bench_accounting --survey 60 --seed 3   # random calibrations near epsilon's zero
     python -m benchmarks.bench_accounting --appends 25 --seed 1  # one pair more on random schedules
+    python -m benchmarks.bench_accounting --audit 40 --seed 41   # the upper against the lower bound
 
 Timed rows use a noise multiplier no cache has seen (a tiny offset). Wall and CPU time are
 both shown: on a busy machine the wall time of a single-threaded computation grows with
@@ -37,6 +38,14 @@ _offsets = itertools.count(1)
 def _fresh(sigma: float) -> float:
     """sigma nudged to a value no cache has seen."""
     return sigma * (1.0 + 1e-9 * next(_offsets))
+
+
+def _fresh_ledger(ledger: list) -> list:
+    """``ledger`` with every noise multiplier nudged by one factor no cache has seen. (A
+    nudge per run drifted a long ledger by up to 10^-4 of sigma, pair against pair, far
+    from its label: the 2,000 tiny-q pairs reported 0.006698 for 0.006684.)"""
+    factor = 1.0 + 1e-9 * next(_offsets)
+    return [(sigma * factor if 0 < sigma < math.inf else sigma, q, count) for sigma, q, count in ledger]
 
 
 def _time(call, repeat: int):
@@ -218,7 +227,7 @@ def _growing_and_max_steps(repeat: int) -> None:
                            [(0.8 ** (i / 9_999), 1e-4, 100) for i in range(10_000)]),
                           ("small q: 100-run sigma schedule (q 1e-5)",
                            [(0.8 ** (i / 99), 1e-5, 100_000) for i in range(100)])):
-        ledger = [(_fresh(s), q, c) for s, q, c in ledger]
+        ledger = _fresh_ledger(ledger)
         epsilon_of_ledger(ledger, 1e-5)  # what the previous privacy_spent() computed
         sigma, q, count = ledger[-1]
         # the next step: one more of the last pair, or (changing every step) a new pair
@@ -240,7 +249,7 @@ def _grouping_tradeoff() -> None:
     print("| 10^4-run schedule, max_groups | epsilon | wall s | cpu s |")
     print("| --- | --- | --- | --- |")
     for limit in (16, 32, 64, 128, 256, 512):
-        ledger = [(_fresh(s), q, c) for s, q, c in schedule_ledger()]
+        ledger = _fresh_ledger(schedule_ledger())
         value, wall, cpu = _time(lambda: pld_epsilon(ledger, 1e-5, max_groups=limit), 1)
         print(f"| {limit}{' (default)' if limit == MAX_DISTINCT_RUNS else ''} | {_show(value)} | {wall:.2f} | {cpu:.2f} |",
               flush=True)
@@ -356,6 +365,62 @@ def _append_survey(count: int, seed: int) -> None:
     print(f"\n{total} appends: {lowered} lowered epsilon" + (f", by {-worst:.2e} of it at most" if lowered else ""))
 
 
+def audit_draws(count: int, seed: int) -> list:
+    """``count`` random ledgers ``(runs, delta)`` for :func:`_audit_survey`, each of one of
+    three kinds: 1 to 11 runs (sigma 0.05 to 10; q at 1 for a tenth of them, 0.89 to 1
+    for a sixth, else 1e-6 to 1; 1 to 10^4 steps; delta 1e-12 to 0.1); 2 to 6 runs where
+    tiny sigma meets tiny q (sigma 0.02 to 0.2 for two in five, else 0.3 to 10; q 1e-6 to
+    1e-3 for three in five, else 1e-3 to 1; delta 1e-9 to 0.1); or one run anywhere in
+    the stated range (sigma 0.001 to 100, q 1e-6 to 1, 1 to 10^8 steps)."""
+    rng = random.Random(seed)
+
+    def between(low: float, high: float) -> float:  # log-uniform
+        return 10 ** rng.uniform(low, high)
+
+    draws = []
+    for _ in range(count):
+        kind = rng.choice(("runs", "tiny", "one"))
+        if kind == "runs":
+            runs = [(between(-1.3, 1), rng.choice((1.0, between(-0.05, 0), between(-6, 0), between(-6, 0),
+                                                    between(-6, 0), between(-6, 0))), round(between(0, 4)))
+                    for _ in range(rng.randrange(1, 12))]
+            delta = between(-12, -1)
+        elif kind == "tiny":
+            runs = [(between(-1.7, -0.7) if rng.random() < 0.4 else between(-0.5, 1),
+                     between(-6, -3) if rng.random() < 0.6 else between(-3, 0), round(between(0, 4)))
+                    for _ in range(rng.randrange(2, 7))]
+            delta = between(-9, -1)
+        else:
+            runs = [(between(-3, 2), 1.0 if rng.random() < 0.1 else between(-6, 0), round(between(0, 8)))]
+            delta = between(-12, -1)
+        draws.append((runs, delta))
+    return draws
+
+
+def _audit_survey(count: int, seed: int) -> None:
+    """The reported epsilon against the rigorous lower bound on :func:`audit_draws`: the
+    exact epsilon lies between them, so a lower bound above the reported value means one
+    of the two is wrong (a leak, where it is the reported one). Counts those and the
+    brackets wider than 1%."""
+    print(f"| audit, seed {seed} | runs | delta | epsilon | lower bound | gap | wall s | lower bound s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    crossed, wide = [], 0
+    for k, (runs, delta) in enumerate(audit_draws(count, seed)):
+        start = time.perf_counter()
+        upper = epsilon_of_ledger(runs, delta)
+        middle = time.perf_counter()
+        lower = pld_epsilon_lower_bound(runs, delta)
+        end = time.perf_counter()
+        gap = upper / lower - 1.0 if lower > 0.0 else (0.0 if upper == 0.0 else math.inf)
+        if lower > upper * (1.0 + 1e-9):
+            crossed.append(k)
+        wide += gap > 0.01
+        print(f"| {k} | {len(runs)} | {delta:.3g} | {_show(upper)} | {_show(lower)} | {gap:+.2e} "
+              f"| {middle - start:.2f} | {end - middle:.2f} |", flush=True)
+    print(f"\n{count} ledger{'s' if count != 1 else ''}: {len(crossed)} with the lower bound above epsilon"
+          + (f" (draws {', '.join(map(str, crossed))})" if crossed else "") + f", {wide} bracketed wider than 1%")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=1, help="repetitions per timed row (median shown)")
@@ -367,6 +432,8 @@ def main(argv=None) -> int:
                         help="only: N random calibrations near epsilon's zero (first calls, checked)")
     parser.add_argument("--appends", type=int, default=0, metavar="N",
                         help="only: one pair more on N random schedules (3 appends each)")
+    parser.add_argument("--audit", type=int, default=0, metavar="N",
+                        help="only: epsilon against its rigorous lower bound on N random ledgers")
     parser.add_argument("--seed", type=int, default=0, help="the surveys' draws")
     args = parser.parse_args(argv)
     # Warm up as a training run would have by then: imports, FFT plans, the order layout,
@@ -382,6 +449,9 @@ def main(argv=None) -> int:
     if args.appends:
         _append_survey(args.appends, args.seed)
         return 0
+    if args.audit:
+        _audit_survey(args.audit, args.seed)
+        return 0
 
     print("| case | epsilon | wall s | cpu s | target s | lower bound | gap |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -389,7 +459,7 @@ def main(argv=None) -> int:
         if args.only not in label:
             continue
         def fresh_ledger():  # a new one for every repetition: no cache has seen it
-            return [(_fresh(s) if 0 < s < math.inf else s, q, c) for s, q, c in ledger]
+            return _fresh_ledger(ledger)
 
         fresh = fresh_ledger()
         value, wall, cpu = _time(lambda: epsilon_of_ledger(fresh_ledger(), delta), args.repeat)

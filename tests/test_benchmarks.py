@@ -167,3 +167,34 @@ def test_append_survey_reports_the_accountants_epsilon_before_and_after_one_more
     assert length == lengths[0]
     assert before == pytest.approx(epsilon_of_ledger(runs[:length], delta), rel=1e-5)
     assert after == pytest.approx(epsilon_of_ledger(runs[:length + 1], delta), rel=1e-5)
+
+
+def test_audit_draws_cover_their_three_kinds_within_their_ranges():
+    from benchmarks.bench_accounting import audit_draws
+
+    draws = audit_draws(300, seed=5)
+    assert draws == audit_draws(300, seed=5) and draws != audit_draws(300, seed=6)
+    sizes = {len(runs) for runs, _ in draws}
+    assert 1 in sizes and 11 in sizes and not sizes - set(range(1, 12))
+    runs = [run for ledger, _ in draws for run in ledger]
+    assert all(1e-3 <= sigma <= 100 and 1e-6 <= q <= 1 and 1 <= count <= 1e8 for sigma, q, count in runs)
+    assert any(sigma < 0.2 and q < 1e-3 for sigma, q, _ in runs) and any(q == 1.0 for _, q, _ in runs)
+    assert all(1e-12 <= delta <= 0.1 for _, delta in draws)
+
+
+def test_audit_reports_the_lower_bound_beside_the_accountants_epsilon():
+    """One ledger of the audit (seed 2: a cheap one), its row checked here."""
+    from benchmarks.bench_accounting import audit_draws
+    from dpoptim.accounting import epsilon_of_ledger
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_accounting", "--audit", "1", "--seed", "2"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| 0 |")]
+    assert len(rows) == 1 and "1 ledger: 0 with the lower bound above epsilon" in proc.stdout
+    runs, delta = audit_draws(1, seed=2)[0]
+    upper, lower = float(rows[0][4]), float(rows[0][5])
+    assert upper == pytest.approx(epsilon_of_ledger(runs, delta), rel=1e-5)
+    assert 0.99 * upper <= lower <= upper
