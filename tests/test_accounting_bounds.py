@@ -2610,27 +2610,33 @@ def test_the_models_second_step_moves_it_by_its_difference_from_the_accountant(m
     assert accountant(scaled) > band[1]  # what the ratio would have done
 
 
-@pytest.mark.parametrize("at_64, asks_8", [(0.107, True), (0.2, False)])
-def test_addition_is_sized_for_8_times_removals_answer_where_64_times_came_near(monkeypatch, at_64, asks_8):
+@pytest.mark.parametrize("at_64, at_2, asked, addition", [
+    (0.107, 0.045, [64, 8], 0.0475),  # 64 times came within twice removal's: 8 times settles it
+    (0.2, 0.045, [64, 2], 0.045),  # far above: 8 times is skipped, twice removal's settles it
+    (0.2, 0.06, [64, 2, 1], 0.042),  # ... or not: sized for removal's answer itself
+])
+def test_addition_is_sized_for_8_times_removals_answer_where_64_times_came_near(monkeypatch, at_64, at_2, asked,
+                                                                                addition):
     # 1,134 pairs of 3 steps at q 3.9e-4 to 6.8e-5, delta 1.6e-7: addition sized for 64
     # times removal's answer (0.0587) gave 0.107, for 8 times 0.0475 (0.3 s), and for
     # removal's answer 0.042 (1.9 s); only the larger direction is reported. Where 64
-    # times gives several times removal's, 8 times rarely settles it and is skipped.
+    # times gives several times removal's, 8 times rarely settles it and is skipped; twice
+    # removal's answer (one scale above its own) is tried before removal's answer itself.
     removal = 0.0587
-    answers = {64: at_64, 8: 0.0475, 1: 0.042}
-    asked = []
+    answers = {64: at_64, 8: 0.0475, 2: at_2, 1: 0.042}
+    sizes = []
 
     def split(steps, direction, delta, guess, again=True, points=0, whole=False, strict=False, **kwargs):
         if direction == pld_module._REMOVE:
             return removal, False
-        asked.append(round(guess / removal))
+        sizes.append(round(guess / removal))
         return answers[round(guess / removal)], False
 
     monkeypatch.setattr(rare, "split_epsilon", split)
     monkeypatch.setattr(pld_module, "_addition_below", lambda *args: None)  # (the grids settle nothing here)
     found = pld_module._split_first(((1.0, 1e-4, 3),), {pld_module._REMOVE: 1e-7, pld_module._ADD: 1e-7}, 1.0)
-    assert found == {pld_module._REMOVE: removal, pld_module._ADD: 0.0475 if asks_8 else 0.042}
-    assert asked == ([64, 8] if asks_8 else [64, 1])
+    assert found == {pld_module._REMOVE: removal, pld_module._ADD: addition}
+    assert sizes == asked
 
 
 def test_a_target_beyond_the_largest_sigma_is_refused_by_name():
