@@ -350,6 +350,26 @@ def test_long_runs_are_bracketed_within_one_percent(steps, rel):
     assert_bracketed(pld_epsilon(runs, DELTA), pld_epsilon_lower_bound(runs, DELTA, grid_points=2**20), rel=rel)
 
 
+def test_a_long_run_at_huge_epsilon_is_refined_past_the_largest_automatic_grid():
+    # The stages refuse an RDP guess of 8*10^6 and no mixture bound answers: on 2^20 points
+    # (spacing 0.25) connect-the-dots raised the mean loss by 9.3*10^4, and epsilon read
+    # 7,998,136, 1.2% above the truth.
+    runs, delta = [(0.3155, 0.1697, 15_755_281)], 1.58e-12
+    upper = pld_epsilon(runs, delta)
+    assert_bracketed(upper, pld_epsilon_lower_bound(runs, delta, grid_points=2**22), rel=2e-3)
+
+
+def test_the_mean_shift_counts_only_the_steps_off_the_grid_points():
+    # T h^2 / 8 counts every step; at tiny q the unsampled steps' loss sits next to the
+    # grid point 0, and only the sampled ones spread over the bins.
+    spacing, count = 0.25, 10**8
+    full = count * spacing**2 / 8
+    tiny = pld_module._mean_shift(((0.02, 1e-6, count),), spacing)
+    wide = pld_module._mean_shift(((0.3155, 0.1697, count),), spacing)
+    assert 0.0 < tiny < 1e-4 * full
+    assert 0.5 * full < wide <= full
+
+
 @settings(max_examples=6, deadline=None)
 @given(sigma=st.floats(0.5, 10.0), q=st.floats(1e-4, 0.5), steps=st.integers(1, 10**6),
        delta=st.floats(1e-12, 1e-2))
