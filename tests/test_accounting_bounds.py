@@ -359,6 +359,14 @@ def test_a_long_run_at_huge_epsilon_is_refined_past_the_largest_automatic_grid()
     assert_bracketed(upper, pld_epsilon_lower_bound(runs, delta, grid_points=2**22), rel=2e-3)
 
 
+def test_where_the_refinement_past_the_largest_grid_starts_epsilon_falls_by_a_grid_doubling_at_most():
+    # One step more crosses into the refinement (2^20 to 2^21 points): the finer grid's
+    # answer is lower by what the two grids' mean shifts differ, 3.4e-4 of epsilon, as
+    # where the automatic grid doubles (a threshold of 0.4% let it fall by 0.46%).
+    before, after = (pld_epsilon([(0.3155, 0.1697, steps)], 1.58e-12) for steps in (3_122_159, 3_122_160))
+    assert after >= before * (1 - 5e-4)
+
+
 def test_the_mean_shift_counts_only_the_steps_off_the_grid_points():
     # T h^2 / 8 counts every step; at tiny q the unsampled steps' loss sits next to the
     # grid point 0, and only the sampled ones spread over the bins.
