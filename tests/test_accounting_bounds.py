@@ -8,6 +8,7 @@ tiny sigma, the shifted Gaussian mixture (:func:`mixture_epsilon_lower_bound`).
 
 import math
 import random
+import warnings
 from fractions import Fraction
 
 import numpy as np
@@ -944,6 +945,18 @@ def test_the_binomial_matches_scipy_stats_at_the_ends_of_its_support():
 
 
 # --- grouping of many (sigma, q) pairs ---------------------------------------------------
+
+
+def test_a_dominated_step_with_no_mass_on_the_window_leaves_the_lower_bound_sound():
+    # The full batch (one Gaussian of mu 51, losses near 1,300) keeps no mass on the
+    # ledger's window once the bins whose Q-mass would overflow are dropped. A single step
+    # of it weighed 0 * log 0 = NaN into the product's error weights, and the untilting
+    # took -inf - (-inf): NaN, where the grid's bound should simply be 0.
+    runs, delta = [(0.11137, 1.0, 32), (1.1061, 0.88295, 606)], 2.82e-6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        lower = pld_epsilon_lower_bound(runs, delta)
+    assert 0.0 < lower <= epsilon_of_ledger(runs, delta)
 
 
 def test_the_lower_bound_of_a_ledger_is_at_least_its_heaviest_runs():

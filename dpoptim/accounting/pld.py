@@ -4033,9 +4033,8 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
     ``K`` the composed log moment generating function, and the noise with it; the profile
     adds that noise as an allowance, entry by entry (see :func:`_rounding_allowance`).
 
-    ``head > 0`` says that the first ``head`` steps recur with this grid (the fixed groups
-    of :func:`steering_epsilon`): their product is kept between calls (:func:`_head_product`)
-    and only the rest is composed anew, in the same order, so the value is the same.
+    ``head > 0``: the first ``head`` steps recur with this grid (the fixed groups of
+    :func:`steering_epsilon`), their product kept between calls, the value the same.
 
     ``cuts``: where given and the window was cut for more than :data:`_TAIL_FRACTION` of
     delta, it maps ``(direction, n, spacing)`` of the grid to how far the cuts (or the
@@ -4066,11 +4065,13 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
                                 np.abs(parts.spectrum).astype(np.float64), unit, parts.dead_log_weight,
                                 parts.step_error)
     if lower:
-        below = _below_window(steps, direction, grid)
+        if not parts.cgf > -math.inf:  # a step kept no mass on the window: the dominated pair bounds nothing
+            return 0.0, False
         # Composed index k is at loss k h plus the steps' offsets, rounded down.
         offset = _total_offset(steps, direction, spacing)
         labels = losses + offset - 4.0 * _U * (np.abs(losses) + offset)
-        return _invert_profile(tilted, log_untilt, labels, -below, noise, delta, lower=True)
+        return _invert_profile(tilted, log_untilt, labels, -_below_window(steps, direction, grid), noise, delta,
+                               lower=True)
     if mixture is None:
         tail = _grid_tail(items, grid, parts)
     constant = -math.expm1(parts.log_finite) + tail
@@ -4186,7 +4187,8 @@ def _product(items, grid: _Grid, dtype, lower: bool) -> _Product:
                 log_modulus = np.log(np.abs(step))
             sums[0][:] += count * log_modulus
             sums[1][:] += _reduced_angles(step.real, step.imag, count)
-            sums[2][:] += (count - 1) * log_modulus.astype(np.float64)
+            if count > 1:  # (one step adds no power's weight: 0 * log 0 would be NaN where it vanishes)
+                sums[2][:] += (count - 1) * log_modulus.astype(np.float64)
     log_modulus_sum, angle_sum, log_weight = sums
     return _Product(_polar(log_modulus_sum, angle_sum), log_weight, dead_log_weight, log_finite, cgf, total_steps)
 
