@@ -86,7 +86,7 @@ def _tail_bins(sigma: float, q: float, direction: str, a: float, reach: float, s
     at its lowest loss (rounding a loss down lowers every profile) and rounded down by
     its error bound. Bins are ``scale / 4096`` wide up to ``a + reach + 2 scale``, then
     geometric: a bin ``g`` wide at ``d`` above epsilon loses at most ``g e^{-d}`` of
-    its mass's share there. None above ``a`` where the step's losses all lie at or below
+    its mass's share there. No mass above ``a`` where the step's losses all lie at or below
     it (addition at tiny q: at most ``-log(1 - q)``): a bin from ``a`` down to them held
     the whole bulk again, and a lower bound counted it twice (0.520 against an exact
     epsilon below 0.335, sigma 0.055 at q 3e-5 beside two other runs)."""
