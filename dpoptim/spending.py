@@ -22,13 +22,36 @@ class PrivacySpent(NamedTuple):
 BUDGET_HORIZON = 2**20
 
 
+#: Where ``(sigma, q)`` changes at every step, the budget stop asks how many steps fit at
+#: a setting this share worse than the current one (sigma this much lower, q this much
+#: higher), against a budget this share lower, and takes the steps that setting dominates
+#: without asking again (:meth:`SpendingMixin._budget_answer`).
+SCHEDULE_MARGIN = 2.0**-6
+
+#: Where a step leaves the worse setting of :data:`SCHEDULE_MARGIN` after fewer steps than
+#: this (a schedule that moves faster than the margin), the budget stop evaluates each
+#: step instead: a search would serve too few steps to pay for itself.
+SCHEDULE_SERVED = 8
+
+
 class _BudgetAnswer(NamedTuple):
     """What the budget stop last computed: steps up to ``limit`` fit at ``settings``."""
 
-    settings: tuple
+    settings: tuple  # (sigma, q, delta, max_epsilon, accountant)
     limit: int
     computed_at: int  # steps taken when it was computed
     ask_again: bool  # only checked up to ``limit`` (the next step, or the horizon): ask again there
+    dominating: bool = False  # settings a worse step than the ones it covers (see covers)
+    stepwise: bool = False  # a schedule's one-step answer: each step is evaluated from here on
+
+    def covers(self, key: tuple) -> bool:
+        """Whether a step at ``key`` (as ``settings``) is one this answer counts: the same
+        settings, or, for a ``dominating`` answer, sigma at least and q at most its own."""
+        if key == self.settings:
+            return True
+        sigma, q, *rest = key
+        return self.dominating and tuple(rest) == self.settings[2:] and sigma >= self.settings[0] \
+            and q <= self.settings[1]
 
 
 class SpendingMixin:
@@ -104,35 +127,57 @@ class SpendingMixin:
 
         The number of steps the budget allows at (sigma, q) is computed once per change of
         settings (:func:`~dpoptim.accounting.max_steps`, a search, up to
-        :data:`BUDGET_HORIZON` steps at a time), not per step. Where the
-        settings changed at the previous step too (a schedule that changes every step), the
-        search would be repeated at every step for one step's use: the accountant is asked
-        instead whether the ledger with this one step fits, the same criterion as the
-        search's, at the cost of one evaluation (:class:`_BudgetAnswer`).
+        :data:`BUDGET_HORIZON` steps at a time), not per step; where the settings change
+        at every step, once per many steps (:meth:`_budget_answer`). A step is refused
+        only by an answer computed at its own settings.
         """
         if self.max_epsilon is None:
             return
         key = (sigma, q, self.delta, self.max_epsilon, self.accountant)
         cache = self._budget_cache
         taken = self.steps_taken
-        if cache is None or cache.settings != key or (cache.ask_again and taken >= cache.limit):
-            from . import accounting
-
-            if cache is not None and cache.settings != key and cache.computed_at == taken - 1:
-                fits = accounting.epsilon_of_ledger(
-                    [*self.ledger, (sigma, q, 1)], self.delta, accountant=self.accountant) <= self.max_epsilon
-                cache = _BudgetAnswer(key, taken + int(fits), taken, True)
-            else:
-                allowed = accounting.max_steps(sigma, q, self.delta, self.max_epsilon, ledger=self.ledger,
-                                               accountant=self.accountant, limit=BUDGET_HORIZON)
-                cache = _BudgetAnswer(key, taken + allowed, taken, allowed >= BUDGET_HORIZON)
-            self._budget_cache = cache
+        if cache is None or not cache.covers(key) or (
+                taken >= cache.limit and (cache.ask_again or cache.settings != key)):
+            cache = self._budget_cache = self._budget_answer(key, cache, taken)
         if taken >= cache.limit:
             raise PrivacyBudgetExceeded(
                 f"one more step at noise_multiplier={sigma}, sample_rate={q} would spend more than "
                 f"max_epsilon={self.max_epsilon} at delta={self.delta} "
                 f"(spent so far over {self.steps_taken} steps: {self.privacy_spent().epsilon:.4g})"
             )
+
+    def _budget_answer(self, key: tuple, cache: _BudgetAnswer | None, taken: int) -> _BudgetAnswer:
+        """The budget stop's answer for a step at ``key`` after ``taken`` steps (``cache``:
+        the previous answer).
+
+        Where the settings changed at the previous step too (a schedule that changes at
+        every step), a search at the step's own settings would serve one step. The
+        accountant is asked instead how many steps fit at a *worse* setting, sigma
+        :data:`SCHEDULE_MARGIN` lower and q that much higher, against a budget that much
+        lower; every later step at least as noisy and at most as likely to sample an
+        example is a post-processing of such a step (the argument of
+        :func:`~dpoptim.accounting.coarsen_runs`), so the ledger with it is dominated by
+        one the accountant puts within the budget, and it is taken without asking. A step
+        that leaves that setting asks again. Once none fits so (the budget's last share),
+        or where the setting served fewer than :data:`SCHEDULE_SERVED` steps, each step is
+        decided by one evaluation of the ledger with it, as a search would decide it: no
+        step is refused that fits."""
+        from . import accounting
+
+        sigma, q, delta, budget, name = key
+        schedule = cache is not None and cache.settings != key and (cache.dominating or cache.computed_at == taken - 1)
+        if not schedule:
+            allowed = accounting.max_steps(sigma, q, delta, budget, ledger=self.ledger, accountant=name,
+                                           limit=BUDGET_HORIZON)
+            return _BudgetAnswer(key, taken + allowed, taken, allowed >= BUDGET_HORIZON)
+        if not (cache.stepwise or (cache.dominating and taken - cache.computed_at < SCHEDULE_SERVED)):
+            worse = (sigma * (1.0 - SCHEDULE_MARGIN), min(q * (1.0 + SCHEDULE_MARGIN), 1.0))
+            allowed = accounting.max_steps(*worse, delta, budget * (1.0 - SCHEDULE_MARGIN), ledger=self.ledger,
+                                           accountant=name, limit=BUDGET_HORIZON)
+            if allowed >= 1:
+                return _BudgetAnswer((*worse, delta, budget, name), taken + allowed, taken, True, dominating=True)
+        fits = accounting.epsilon_of_ledger([*self.ledger, (sigma, q, 1)], delta, accountant=name) <= budget
+        return _BudgetAnswer(key, taken + int(fits), taken, True, stepwise=True)
 
     def state_dict(self) -> dict:
         state = super().state_dict()

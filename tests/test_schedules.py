@@ -137,3 +137,120 @@ def test_privacy_spent_composes_the_schedule_run_by_run(monkeypatch):
     assert opt.privacy_spent().epsilon == pytest.approx(3.0)
     assert ("eps", ((1.0, 0.5, 2), (2.0, 0.5, 2))) in calls
     assert ("max", 2.0, ((1.0, 0.5, 2),)) in calls  # re-evaluated at the new sigma
+
+
+def _stub_accounting(monkeypatch, calls: list):
+    """A stub accountant, epsilon = sum of count / sigma (monotone, exact), that records its
+    calls in ``calls``."""
+    def epsilon_of_ledger(ledger, delta, accountant="pld"):
+        calls.append(("eps", tuple(ledger)))
+        return sum(count / sigma for sigma, _, count in ledger)
+
+    def max_steps(sigma, q, delta, max_epsilon, ledger=(), accountant="pld", limit=None):
+        calls.append(("max", sigma, q, max_epsilon, len(ledger)))
+        spent = sum(count / s for s, _, count in ledger)
+        return max(0, min(int((max_epsilon - spent) * sigma + 1e-9), limit))
+
+    import dpoptim.accounting.ledger  # noqa: F401  (the optimizer's ledger type stays real)
+
+    stub = types.ModuleType("dpoptim.accounting")
+    stub.epsilon_of_ledger, stub.max_steps = epsilon_of_ledger, max_steps
+    monkeypatch.setitem(sys.modules, "dpoptim.accounting", stub)
+    monkeypatch.setattr(dpoptim, "accounting", stub, raising=False)
+
+
+def _run_schedule(opt, sigma_at) -> int:
+    """Steps with sigma_at(k) at step k until the budget stop refuses one; returns the
+    steps taken."""
+    k = 0
+    while True:
+        opt.noise_multiplier = sigma_at(k)
+        try:
+            opt.step()
+        except dpoptim.PrivacyBudgetExceeded:
+            return k
+        k += 1
+
+
+def test_a_schedule_that_changes_every_step_is_not_evaluated_every_step(monkeypatch):
+    """Where sigma changes at every step, the budget stop asks how many steps fit at a
+    worse setting and takes the steps it dominates without asking; near the budget it
+    evaluates each step, and it refuses exactly the first step that does not fit."""
+    from dpoptim.spending import SCHEDULE_MARGIN
+
+    calls = []
+    _stub_accounting(monkeypatch, calls)
+    budget = 100.0
+    opt = dpoptim.DPSGD(nn.Linear(2, 2).parameters(), lr=0.1, noise_multiplier=2.0, max_grad_norm=1.0,
+                        expected_batch_size=2, sample_rate=0.5, max_epsilon=budget)
+
+    def sigma_at(k):
+        return 2.0 - 0.002 * k
+
+    taken = _run_schedule(opt, sigma_at)
+    spent = [1.0 / sigma_at(k) for k in range(taken + 1)]
+    assert sum(spent[:taken]) <= budget < sum(spent)  # exactly the first step that does not fit is refused
+    assert taken > 150
+    assert len(calls) < taken / 3  # far fewer questions than steps
+    asked = [call for call in calls if call[0] == "max"]
+    # after the first search (at the first step's own settings), each is at a worse setting
+    # against a lower budget, at the settings of the step that asked
+    assert asked[0][1:4] == (2.0, 0.5, budget)
+    for _, sigma, q, max_epsilon, length in asked[1:]:
+        assert q == pytest.approx(0.5 * (1 + SCHEDULE_MARGIN))
+        assert max_epsilon == pytest.approx(budget * (1 - SCHEDULE_MARGIN))
+        assert sigma == pytest.approx(sigma_at(length) * (1 - SCHEDULE_MARGIN))
+    # the refusal came from one evaluation of the ledger with the refused step itself (the
+    # error message's privacy_spent() evaluates the ledger after it)
+    assert calls[-2] == ("eps", opt.ledger + ((sigma_at(taken), 0.5, 1),))
+
+
+def test_a_schedule_step_that_leaves_the_covered_setting_is_asked_about(monkeypatch):
+    """A step noisier than the covered setting is taken without asking; one less noisy (or
+    at a higher q) is asked about before it is taken, never refused on the other's answer."""
+    calls = []
+    _stub_accounting(monkeypatch, calls)
+    opt = dpoptim.DPSGD(nn.Linear(2, 2).parameters(), lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0,
+                        expected_batch_size=2, sample_rate=0.5, max_epsilon=50.0)
+    for sigma in (1.0, 1.001, 1.002, 1.5):  # a schedule; the last step noisier still
+        opt.noise_multiplier = sigma
+        opt.step()
+    before = len(calls)
+    opt.noise_multiplier = 1.003
+    opt.step()
+    assert len(calls) == before  # covered: at least as noisy as the worse setting asked about
+    opt.noise_multiplier = 0.5  # far below it: asked again, and it fits
+    opt.step()
+    assert len(calls) > before
+    opt.sample_rate = 0.9
+    opt.noise_multiplier = 0.51
+    before = len(calls)
+    opt.step()
+    assert len(calls) > before
+    assert opt.steps_taken == 7
+
+
+def test_the_budget_stop_on_a_schedule_stops_where_the_accountant_says(monkeypatch):
+    """The real accountant: a sigma schedule that changes at every step runs to the budget;
+    every prefix taken is within it by the accountant, the refused step is not, and the
+    accountant was asked fewer times than there were steps."""
+    from dpoptim import accounting
+
+    asked = []
+    for name in ("epsilon_of_ledger", "max_steps"):
+        real = getattr(accounting, name)
+        monkeypatch.setattr(accounting, name, lambda *a, real=real, **k: asked.append(a) or real(*a, **k))
+    budget, q = 2.0, 0.05
+    opt = dpoptim.DPSGD(nn.Linear(2, 2).parameters(), lr=0.1, noise_multiplier=1.2, max_grad_norm=1.0,
+                        expected_batch_size=2, sample_rate=q, max_epsilon=budget)
+
+    def sigma_at(k):
+        return 1.2 - 0.002 * k
+
+    with pytest.warns(dpoptim.PrivacyWarning):  # (no data: the batches hold no examples)
+        taken = _run_schedule(opt, sigma_at)
+    assert 30 < taken and len(asked) < taken / 2
+    monkeypatch.undo()
+    runs = [(sigma_at(k), q, 1) for k in range(taken + 1)]
+    assert all(accounting.epsilon_of_ledger(runs[:n], 1e-5) <= budget for n in range(1, taken + 1, 7))
+    assert accounting.epsilon_of_ledger(runs[:taken], 1e-5) <= budget < accounting.epsilon_of_ledger(runs, 1e-5)
