@@ -28,6 +28,10 @@ BUDGET_HORIZON = 2**20
 #: without asking again (:meth:`SpendingMixin._budget_answer`).
 SCHEDULE_MARGIN = 2.0**-6
 
+#: How many steps at the worse setting of :data:`SCHEDULE_MARGIN` the budget stop first
+#: asks about (one evaluation); then twice as many as the last worse setting served.
+SCHEDULE_SPAN = 64
+
 #: Where a step leaves the worse setting of :data:`SCHEDULE_MARGIN` after fewer steps than
 #: this (a schedule that moves faster than the margin), the budget stop evaluates each
 #: step instead: a search would serve too few steps to pay for itself.
@@ -152,14 +156,15 @@ class SpendingMixin:
 
         Where the settings changed at the previous step too (a schedule that changes at
         every step), a search at the step's own settings would serve one step. The
-        accountant is asked instead how many steps fit at a *worse* setting, sigma
-        :data:`SCHEDULE_MARGIN` lower and q that much higher, against a budget that much
-        lower; every later step at least as noisy and at most as likely to sample an
+        accountant is asked instead whether a span of steps fits at a *worse* setting,
+        sigma :data:`SCHEDULE_MARGIN` lower and q that much higher, against a budget that
+        much lower (:data:`SCHEDULE_SPAN` steps, then twice what the last worse setting
+        served; where they do not fit, a quarter as many, one evaluation each); every later step at least as noisy and at most as likely to sample an
         example is a post-processing of such a step (the argument of
         :func:`~dpoptim.accounting.coarsen_runs`), so the ledger with it is dominated by
         one the accountant puts within the budget, and it is taken without asking. A step
-        that leaves that setting asks again. Once none fits so (the budget's last share),
-        or where the setting served fewer than :data:`SCHEDULE_SERVED` steps, each step is
+        that leaves that setting asks again. Once fewer than :data:`SCHEDULE_SERVED` steps fit
+        so (the budget's last share), or where a setting served fewer, each step is
         decided by one evaluation of the ledger with it, as a search would decide it: no
         step is refused that fits."""
         from . import accounting
@@ -172,10 +177,12 @@ class SpendingMixin:
             return _BudgetAnswer(key, taken + allowed, taken, allowed >= BUDGET_HORIZON)
         if not (cache.stepwise or (cache.dominating and taken - cache.computed_at < SCHEDULE_SERVED)):
             worse = (sigma * (1.0 - SCHEDULE_MARGIN), min(q * (1.0 + SCHEDULE_MARGIN), 1.0))
-            allowed = accounting.max_steps(*worse, delta, budget * (1.0 - SCHEDULE_MARGIN), ledger=self.ledger,
-                                           accountant=name, limit=BUDGET_HORIZON)
-            if allowed >= 1:
-                return _BudgetAnswer((*worse, delta, budget, name), taken + allowed, taken, True, dominating=True)
+            lower, ledger = budget * (1.0 - SCHEDULE_MARGIN), self.ledger
+            span = max(SCHEDULE_SPAN, 2 * (taken - cache.computed_at) if cache.dominating else 0)
+            while span >= SCHEDULE_SERVED:
+                if accounting.epsilon_of_ledger([*ledger, (*worse, span)], delta, accountant=name) <= lower:
+                    return _BudgetAnswer((*worse, delta, budget, name), taken + span, taken, True, dominating=True)
+                span //= 4
         fits = accounting.epsilon_of_ledger([*self.ledger, (sigma, q, 1)], delta, accountant=name) <= budget
         return _BudgetAnswer(key, taken + int(fits), taken, True, stepwise=True)
 
