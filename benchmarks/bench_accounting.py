@@ -7,6 +7,7 @@
     python -m benchmarks.bench_accounting --survey 60 --seed 3   # random calibrations near epsilon's zero
     python -m benchmarks.bench_accounting --appends 25 --seed 1  # one pair more on random schedules
     python -m benchmarks.bench_accounting --audit 40 --seed 41   # the upper against the lower bound
+    python -m benchmarks.bench_accounting --budget-stop 1.0      # a schedule run to its budget, two ways
 
 Timed rows use a noise multiplier no cache has seen (a tiny offset). Wall and CPU time are
 both shown: on a busy machine the wall time of a single-threaded computation grows with
@@ -421,6 +422,45 @@ def _audit_survey(count: int, seed: int) -> None:
           + (f" (draws {', '.join(map(str, crossed))})" if crossed else "") + f", {wide} bracketed wider than 1%")
 
 
+def _budget_stop_rows(budget: float) -> None:
+    """A noise schedule that changes at every step (sigma from 1.5 down by 10^-4 a step,
+    q 0.01, delta 1e-5), run with ``DPSGD`` until its budget stop refuses a step: as the
+    stop asks by default (spans of steps at a slightly worse setting) and as it would if
+    it evaluated the ledger at every step (``SCHEDULE_SERVED`` out of reach). Both must
+    stop at the same step, the first whose ledger the accountant puts above the budget;
+    the loop's wall time is nearly all the stop's accounting (a model of two weights)."""
+    import warnings
+
+    import torch
+
+    import dpoptim
+    from dpoptim import spending
+
+    print(f"| budget stop, budget {budget:g} | how it asks | steps taken | epsilon there | with the refused step "
+          "| loop wall s |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for how, served in (("spans at a worse setting", spending.SCHEDULE_SERVED), ("every step", 2**62)):
+        model = torch.nn.Linear(1, 1, bias=False)
+        opt = dpoptim.DPSGD(model.parameters(), lr=0.0, noise_multiplier=1.5, max_grad_norm=1.0,
+                            expected_batch_size=1, sample_rate=0.01, max_epsilon=budget)
+        default, spending.SCHEDULE_SERVED = spending.SCHEDULE_SERVED, served
+        taken, start = 0, time.perf_counter()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", dpoptim.PrivacyWarning)  # (no data: every batch is empty)
+                while True:
+                    opt.noise_multiplier = 1.5 - 1e-4 * taken
+                    opt.step()
+                    taken += 1
+        except dpoptim.PrivacyBudgetExceeded:
+            wall = time.perf_counter() - start
+        finally:
+            spending.SCHEDULE_SERVED = default
+        runs = list(opt.ledger)
+        at, beyond = epsilon_of_ledger(runs, 1e-5), epsilon_of_ledger([*runs, (1.5 - 1e-4 * taken, 0.01, 1)], 1e-5)
+        print(f"| {budget:g} | {how} | {taken:,} | {at:.6f} | {beyond:.6f} | {wall:.1f} |", flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=1, help="repetitions per timed row (median shown)")
@@ -434,6 +474,8 @@ def main(argv=None) -> int:
                         help="only: one pair more on N random schedules (3 appends each)")
     parser.add_argument("--audit", type=int, default=0, metavar="N",
                         help="only: epsilon against its rigorous lower bound on N random ledgers")
+    parser.add_argument("--budget-stop", type=float, default=0.0, metavar="EPS",
+                        help="only: a schedule run to a budget of EPS with the optimizer, two ways")
     parser.add_argument("--seed", type=int, default=0, help="the surveys' draws")
     args = parser.parse_args(argv)
     # Warm up as a training run would have by then: imports, FFT plans, the order layout,
@@ -451,6 +493,9 @@ def main(argv=None) -> int:
         return 0
     if args.audit:
         _audit_survey(args.audit, args.seed)
+        return 0
+    if args.budget_stop:
+        _budget_stop_rows(args.budget_stop)
         return 0
 
     print("| case | epsilon | wall s | cpu s | target s | lower bound | gap |")

@@ -199,3 +199,14 @@ def test_audit_reports_the_lower_bound_beside_the_accountants_epsilon():
     upper, lower = float(rows[0][4]), float(rows[0][5])
     assert upper == pytest.approx(epsilon_of_ledger(runs, delta), rel=1e-5)
     assert 0.99 * upper <= lower <= upper
+
+
+def test_budget_stop_rows_stop_at_the_same_step_either_way():
+    """The schedule run to a small budget: as the stop asks by default and at every step,
+    the same step refused, the first the accountant puts above the budget."""
+    output = _accounting_bench("--budget-stop", "0.15")
+    rows = [line.split("|") for line in output.splitlines() if line.startswith("| 0.15 |")]
+    assert [row[2].strip() for row in rows] == ["spans at a worse setting", "every step"]
+    assert rows[0][3:6] == rows[1][3:6]
+    taken, at, beyond = int(rows[0][3].replace(",", "")), float(rows[0][4]), float(rows[0][5])
+    assert taken > 8 and at <= 0.15 < beyond
