@@ -22,19 +22,20 @@ class PrivacySpent(NamedTuple):
 BUDGET_HORIZON = 2**20
 
 
-#: Where ``(sigma, q)`` changes at every step, the budget stop asks how many steps fit at
-#: a setting this share worse than the current one (sigma this much lower, q this much
-#: higher), against a budget this share lower, and takes the steps that setting dominates
-#: without asking again (:meth:`SpendingMixin._budget_answer`).
+#: Where ``(sigma, q)`` changes at every step, the budget stop asks whether a span of steps
+#: fits at a setting this share worse than the current one (sigma this much lower, q this
+#: much higher), against a budget this share lower, and takes the steps that setting
+#: dominates without asking again (:meth:`SpendingMixin._budget_answer`).
 SCHEDULE_MARGIN = 2.0**-6
 
 #: How many steps at the worse setting of :data:`SCHEDULE_MARGIN` the budget stop first
-#: asks about (one evaluation); then twice as many as the last worse setting served.
+#: asks about (one evaluation); then twice as many as the last worse setting served, up to
+#: :data:`BUDGET_HORIZON`.
 SCHEDULE_SPAN = 64
 
 #: Where a step leaves the worse setting of :data:`SCHEDULE_MARGIN` after fewer steps than
 #: this (a schedule that moves faster than the margin), the budget stop evaluates each
-#: step instead: a search would serve too few steps to pay for itself.
+#: step instead: a question at a worse setting would serve too few steps to pay for itself.
 SCHEDULE_SERVED = 8
 
 
@@ -159,12 +160,13 @@ class SpendingMixin:
         accountant is asked instead whether a span of steps fits at a *worse* setting,
         sigma :data:`SCHEDULE_MARGIN` lower and q that much higher, against a budget that
         much lower (:data:`SCHEDULE_SPAN` steps, then twice what the last worse setting
-        served; where they do not fit, a quarter as many, one evaluation each); every later step at least as noisy and at most as likely to sample an
-        example is a post-processing of such a step (the argument of
+        served; where they do not fit, a quarter as many, one evaluation each). Every later
+        step at least as noisy and at most as likely to sample an example is a
+        post-processing of such a step (the argument of
         :func:`~dpoptim.accounting.coarsen_runs`), so the ledger with it is dominated by
         one the accountant puts within the budget, and it is taken without asking. A step
-        that leaves that setting asks again. Once fewer than :data:`SCHEDULE_SERVED` steps fit
-        so (the budget's last share), or where a setting served fewer, each step is
+        that leaves that setting asks again. Once fewer than :data:`SCHEDULE_SERVED` steps
+        fit so (the budget's last share), or where a setting served fewer, each step is
         decided by one evaluation of the ledger with it, as a search would decide it: no
         step is refused that fits."""
         from . import accounting
@@ -178,7 +180,8 @@ class SpendingMixin:
         if not (cache.stepwise or (cache.dominating and taken - cache.computed_at < SCHEDULE_SERVED)):
             worse = (sigma * (1.0 - SCHEDULE_MARGIN), min(q * (1.0 + SCHEDULE_MARGIN), 1.0))
             lower, ledger = budget * (1.0 - SCHEDULE_MARGIN), self.ledger
-            span = max(SCHEDULE_SPAN, 2 * (taken - cache.computed_at) if cache.dominating else 0)
+            span = min(max(SCHEDULE_SPAN, 2 * (taken - cache.computed_at) if cache.dominating else 0),
+                       BUDGET_HORIZON)
             while span >= SCHEDULE_SERVED:
                 if accounting.epsilon_of_ledger([*ledger, (*worse, span)], delta, accountant=name) <= lower:
                     return _BudgetAnswer((*worse, delta, budget, name), taken + span, taken, True, dominating=True)
