@@ -47,7 +47,8 @@ class _BudgetAnswer(NamedTuple):
     computed_at: int  # steps taken when it was computed
     ask_again: bool  # only checked up to ``limit`` (the next step, or the horizon): ask again there
     dominating: bool = False  # settings a worse step than the ones it covers (see covers)
-    stepwise: bool = False  # a schedule's one-step answer: each step is evaluated from here on
+    near: bool = False  # no span at a worse setting fits: each step is evaluated from here on
+    fast: bool = False  # a worse setting served too few steps: each changed step is evaluated
 
     def covers(self, key: tuple) -> bool:
         """Whether a step at ``key`` (as ``settings``) is one this answer counts: the same
@@ -155,8 +156,9 @@ class SpendingMixin:
         """The budget stop's answer for a step at ``key`` after ``taken`` steps (``cache``:
         the previous answer).
 
-        Where the settings changed at the previous step too (a schedule that changes at
-        every step), a search at the step's own settings would serve one step. The
+        Where the settings changed within the last :data:`SCHEDULE_SERVED` steps too (a
+        schedule that changes at every step, or every few), a search at the step's own
+        settings would serve those few steps. The
         accountant is asked instead whether a span of steps fits at a *worse* setting,
         sigma :data:`SCHEDULE_MARGIN` lower and q that much higher, against a budget that
         much lower (:data:`SCHEDULE_SPAN` steps, then twice what the last worse setting
@@ -166,18 +168,20 @@ class SpendingMixin:
         :func:`~dpoptim.accounting.coarsen_runs`), so the ledger with it is dominated by
         one the accountant puts within the budget, and it is taken without asking. A step
         that leaves that setting asks again. Once fewer than :data:`SCHEDULE_SERVED` steps
-        fit so (the budget's last share), or where a setting served fewer, each step is
-        decided by one evaluation of the ledger with it, as a search would decide it: no
-        step is refused that fits."""
+        fit so (the budget's last share), each step from then on, and where a worse setting
+        served fewer, each step that changes the setting, is decided by one evaluation of
+        the ledger with it, as a search would decide it: no step is refused that fits."""
         from . import accounting
 
         sigma, q, delta, budget, name = key
-        schedule = cache is not None and cache.settings != key and (cache.dominating or cache.computed_at == taken - 1)
-        if not schedule:
+        changed = cache is not None and cache.settings != key and (
+            cache.dominating or taken - cache.computed_at < SCHEDULE_SERVED)
+        if not (changed or (cache is not None and cache.near)):
             allowed = accounting.max_steps(sigma, q, delta, budget, ledger=self.ledger, accountant=name,
                                            limit=BUDGET_HORIZON)
             return _BudgetAnswer(key, taken + allowed, taken, allowed >= BUDGET_HORIZON)
-        if not (cache.stepwise or (cache.dominating and taken - cache.computed_at < SCHEDULE_SERVED)):
+        fast = cache.fast or (cache.dominating and taken - cache.computed_at < SCHEDULE_SERVED)
+        if not (cache.near or fast):
             worse = (sigma * (1.0 - SCHEDULE_MARGIN), min(q * (1.0 + SCHEDULE_MARGIN), 1.0))
             lower, ledger = budget * (1.0 - SCHEDULE_MARGIN), self.ledger
             span = min(max(SCHEDULE_SPAN, 2 * (taken - cache.computed_at) if cache.dominating else 0),
@@ -187,7 +191,7 @@ class SpendingMixin:
                     return _BudgetAnswer((*worse, delta, budget, name), taken + span, taken, True, dominating=True)
                 span //= 4
         fits = accounting.epsilon_of_ledger([*self.ledger, (sigma, q, 1)], delta, accountant=name) <= budget
-        return _BudgetAnswer(key, taken + int(fits), taken, True, stepwise=True)
+        return _BudgetAnswer(key, taken + int(fits), taken, True, near=not fast, fast=fast)
 
     def state_dict(self) -> dict:
         state = super().state_dict()

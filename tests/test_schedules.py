@@ -136,7 +136,9 @@ def test_privacy_spent_composes_the_schedule_run_by_run(monkeypatch):
     assert opt.ledger == ((1.0, 0.5, 2), (2.0, 0.5, 2))
     assert opt.privacy_spent().epsilon == pytest.approx(3.0)
     assert ("eps", ((1.0, 0.5, 2), (2.0, 0.5, 2))) in calls
-    assert ("max", 2.0, ((1.0, 0.5, 2),)) in calls  # re-evaluated at the new sigma
+    # re-evaluated at the new sigma: a change two steps after the last is a schedule, so the
+    # ledger with one step at it is evaluated (no search)
+    assert ("eps", ((1.0, 0.5, 2), (2.0, 0.5, 1))) in calls
 
 
 def _stub_accounting(monkeypatch, calls: list):
@@ -206,6 +208,25 @@ def test_a_schedule_that_changes_every_step_is_not_evaluated_every_step(monkeypa
     # the refusal came from one evaluation of the ledger with the refused step itself (the
     # error message's privacy_spent() evaluates the ledger after it)
     assert calls[-2] == ("eps", opt.ledger + ((sigma_at(taken), 0.5, 1),))
+
+
+def test_a_schedule_that_changes_every_few_steps_is_not_searched_at_every_change(monkeypatch):
+    """Sigma changing every third step: no max_steps search at each change, and still
+    exactly the first step that does not fit is refused."""
+    calls = []
+    _stub_accounting(monkeypatch, calls)
+    budget = 200.0
+    opt = dpoptim.DPSGD(nn.Linear(2, 2).parameters(), lr=0.1, noise_multiplier=2.0, max_grad_norm=1.0,
+                        expected_batch_size=2, sample_rate=0.5, max_epsilon=budget)
+
+    def sigma_at(k):
+        return 2.0 - 0.001 * (k // 3)
+
+    taken = _run_schedule(opt, sigma_at)
+    spent = [1.0 / sigma_at(k) for k in range(taken + 1)]
+    assert sum(spent[:taken]) <= budget < sum(spent)
+    assert taken > 300 and len(calls) < taken / 8  # (one evaluation a step over the budget's last share)
+    assert len([call for call in calls if call[0] == "max"]) == 1  # the first step's own search only
 
 
 def test_a_schedule_step_that_leaves_the_covered_setting_is_asked_about(monkeypatch):
