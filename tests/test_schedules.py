@@ -174,37 +174,42 @@ def _run_schedule(opt, sigma_at) -> int:
         k += 1
 
 
+def _stub_schedule_to_budget(monkeypatch, budget: float, sigma_at) -> tuple:
+    """``(calls, taken, opt)``: a schedule run on the stub accountant until the budget stop
+    refuses a step, which must be exactly the first whose ledger exceeds ``budget``."""
+    calls = []
+    _stub_accounting(monkeypatch, calls)
+    opt = dpoptim.DPSGD(nn.Linear(2, 2).parameters(), lr=0.1, noise_multiplier=sigma_at(0), max_grad_norm=1.0,
+                        expected_batch_size=2, sample_rate=0.5, max_epsilon=budget)
+    taken = _run_schedule(opt, sigma_at)
+    spent = [1.0 / sigma_at(k) for k in range(taken + 1)]
+    assert sum(spent[:taken]) <= budget < sum(spent)  # exactly the first step that does not fit is refused
+    return calls, taken, opt
+
+
 def test_a_schedule_that_changes_every_step_is_not_evaluated_every_step(monkeypatch):
-    """Where sigma changes at every step, the budget stop asks how many steps fit at a
-    worse setting and takes the steps it dominates without asking; near the budget it
+    """Where sigma changes at every step, the budget stop asks whether spans of steps fit
+    at a worse setting and takes the steps it dominates without asking; near the budget it
     evaluates each step, and it refuses exactly the first step that does not fit."""
     from dpoptim.spending import SCHEDULE_MARGIN
 
-    calls = []
-    _stub_accounting(monkeypatch, calls)
     budget = 100.0
-    opt = dpoptim.DPSGD(nn.Linear(2, 2).parameters(), lr=0.1, noise_multiplier=2.0, max_grad_norm=1.0,
-                        expected_batch_size=2, sample_rate=0.5, max_epsilon=budget)
 
     def sigma_at(k):
         return 2.0 - 0.002 * k
 
-    taken = _run_schedule(opt, sigma_at)
-    spent = [1.0 / sigma_at(k) for k in range(taken + 1)]
-    assert sum(spent[:taken]) <= budget < sum(spent)  # exactly the first step that does not fit is refused
+    calls, taken, opt = _stub_schedule_to_budget(monkeypatch, budget, sigma_at)
     assert taken > 150
     assert len(calls) < taken / 3  # far fewer questions than steps
-    # after the first search (at the first step's own settings), each question is about
-    # a span of steps at a worse setting than the step that asked, against a lower budget
-    assert calls[0][:4] == ("max", 2.0, 0.5, budget)
-    worse = [(call[1][-1][0], call[1][-1][1], len(call[1]) - 1) for call in calls if call[0] == "eps"
-             and call[1][-1][2] > 1]
-    worse += [(call[1], call[2], call[4]) for call in calls[1:] if call[0] == "max"
-              and call[3] == pytest.approx(budget * (1 - SCHEDULE_MARGIN))]
-    assert len(worse) >= 3 and len([call for call in calls if call[0] == "max"]) <= len(worse) / 2 + 1
-    for sigma, q, length in worse:
+    # one search, at the first step's own settings; then each question is about a span of
+    # steps at a worse setting than the step that asked, against a lower budget
+    assert [call[:4] for call in calls if call[0] == "max"] == [("max", 2.0, 0.5, budget)]
+    spans = [call[1] for call in calls if call[0] == "eps" and call[1][-1][2] > 1]
+    assert len(spans) >= 3
+    for ledger in spans:
+        sigma, q, _ = ledger[-1]
         assert q == pytest.approx(0.5 * (1 + SCHEDULE_MARGIN))
-        assert sigma == pytest.approx(sigma_at(length) * (1 - SCHEDULE_MARGIN))
+        assert sigma == pytest.approx(sigma_at(len(ledger) - 1) * (1 - SCHEDULE_MARGIN))
     # the refusal came from one evaluation of the ledger with the refused step itself (the
     # error message's privacy_spent() evaluates the ledger after it)
     assert calls[-2] == ("eps", opt.ledger + ((sigma_at(taken), 0.5, 1),))
@@ -213,18 +218,7 @@ def test_a_schedule_that_changes_every_step_is_not_evaluated_every_step(monkeypa
 def test_a_schedule_that_changes_every_few_steps_is_not_searched_at_every_change(monkeypatch):
     """Sigma changing every third step: no max_steps search at each change, and still
     exactly the first step that does not fit is refused."""
-    calls = []
-    _stub_accounting(monkeypatch, calls)
-    budget = 200.0
-    opt = dpoptim.DPSGD(nn.Linear(2, 2).parameters(), lr=0.1, noise_multiplier=2.0, max_grad_norm=1.0,
-                        expected_batch_size=2, sample_rate=0.5, max_epsilon=budget)
-
-    def sigma_at(k):
-        return 2.0 - 0.001 * (k // 3)
-
-    taken = _run_schedule(opt, sigma_at)
-    spent = [1.0 / sigma_at(k) for k in range(taken + 1)]
-    assert sum(spent[:taken]) <= budget < sum(spent)
+    calls, taken, _ = _stub_schedule_to_budget(monkeypatch, 200.0, lambda k: 2.0 - 0.001 * (k // 3))
     assert taken > 300 and len(calls) < taken / 8  # (one evaluation a step over the budget's last share)
     assert len([call for call in calls if call[0] == "max"]) == 1  # the first step's own search only
 
