@@ -158,11 +158,11 @@ class SpendingMixin:
 
         Where the settings changed within the last :data:`SCHEDULE_SERVED` steps too (a
         schedule that changes at every step, or every few), a search at the step's own
-        settings would serve those few steps. The
-        accountant is asked instead whether a span of steps fits at a *worse* setting,
-        sigma :data:`SCHEDULE_MARGIN` lower and q that much higher, against a budget that
-        much lower (:data:`SCHEDULE_SPAN` steps, then twice what the last worse setting
-        served; where they do not fit, a quarter as many, one evaluation each). Every later
+        settings would serve those few steps. The accountant is asked instead whether a
+        span of steps fits at a *worse* setting, sigma :data:`SCHEDULE_MARGIN` lower and q
+        that much higher, against a budget that much lower (:data:`SCHEDULE_SPAN` steps,
+        then twice what the last worse setting served; where they do not fit, a quarter as
+        many, one evaluation each). Every later
         step at least as noisy and at most as likely to sample an example is a
         post-processing of such a step (the argument of
         :func:`~dpoptim.accounting.coarsen_runs`), so the ledger with it is dominated by
@@ -170,10 +170,13 @@ class SpendingMixin:
         that leaves that setting asks again. Once fewer than :data:`SCHEDULE_SERVED` steps
         fit so (the budget's last share), each step from then on, and where a worse setting
         served fewer, each step that changes the setting, is decided by one evaluation of
-        the ledger with it, as a search would decide it: no step is refused that fits."""
+        the ledger with it, as a search would decide it: no step is refused that fits (a
+        new budget, delta or accountant starts afresh)."""
         from . import accounting
 
         sigma, q, delta, budget, name = key
+        if cache is not None and cache.settings[2:] != key[2:]:
+            cache = None
         changed = cache is not None and cache.settings != key and (
             cache.dominating or taken - cache.computed_at < SCHEDULE_SERVED)
         if not (changed or (cache is not None and cache.near)):

@@ -272,3 +272,25 @@ def test_the_budget_stop_on_a_schedule_stops_where_the_accountant_says(monkeypat
     runs = [(sigma_at(k), q, 1) for k in range(taken + 1)]
     assert all(accounting.epsilon_of_ledger(runs[:n], 1e-5) <= budget for n in range(1, taken + 1, 7))
     assert accounting.epsilon_of_ledger(runs[:taken], 1e-5) <= budget < accounting.epsilon_of_ledger(runs, 1e-5)
+
+
+def test_a_raised_budget_starts_the_schedule_questions_afresh(monkeypatch):
+    """Near a budget every step is evaluated; after max_epsilon is raised the stop asks
+    about spans again, and still refuses exactly where the new budget runs out."""
+    def sigma_at(k):
+        return 2.0 - 0.001 * k
+
+    calls, taken, opt = _stub_schedule_to_budget(monkeypatch, 30.0, sigma_at)
+    opt.max_epsilon = 150.0
+    before, start = len(calls), taken
+    k = taken
+    while True:
+        opt.noise_multiplier = sigma_at(k)
+        try:
+            opt.step()
+        except dpoptim.PrivacyBudgetExceeded:
+            break
+        k += 1
+    spent = [1.0 / sigma_at(j) for j in range(k + 1)]
+    assert sum(spent[:k]) <= 150.0 < sum(spent)
+    assert k - start > 200 and len(calls) - before < (k - start) / 8
