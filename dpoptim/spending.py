@@ -142,8 +142,7 @@ class SpendingMixin:
         key = (sigma, q, self.delta, self.max_epsilon, self.accountant)
         cache = self._budget_cache
         taken = self.steps_taken
-        if cache is None or not cache.covers(key) or (
-                taken >= cache.limit and (cache.ask_again or cache.settings != key)):
+        if cache is None or not cache.covers(key) or (cache.ask_again and taken >= cache.limit):
             cache = self._budget_cache = self._budget_answer(key, cache, taken)
         if taken >= cache.limit:
             raise PrivacyBudgetExceeded(

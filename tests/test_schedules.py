@@ -107,22 +107,7 @@ def test_privacy_spent_composes_the_schedule_run_by_run(monkeypatch):
     """The accountant receives the ledger of the schedule, and a budget is re-evaluated
     when sigma changes (stub accountant: dpoptim.accounting is tested on its own)."""
     calls = []
-
-    def epsilon_of_ledger(ledger, delta, accountant="pld"):
-        calls.append(("eps", tuple(ledger)))
-        return sum(count / sigma for sigma, _, count in ledger)
-
-    def max_steps(sigma, q, delta, max_epsilon, ledger=(), accountant="pld", limit=None):
-        calls.append(("max", sigma, tuple(ledger)))
-        spent = sum(count / s for s, _, count in ledger)
-        return min(int((max_epsilon - spent) * sigma + 1e-9), limit)
-
-    import dpoptim.accounting.ledger  # noqa: F401  (the optimizer's ledger type stays real)
-
-    stub = types.ModuleType("dpoptim.accounting")
-    stub.epsilon_of_ledger, stub.max_steps = epsilon_of_ledger, max_steps
-    monkeypatch.setitem(sys.modules, "dpoptim.accounting", stub)
-    monkeypatch.setattr(dpoptim, "accounting", stub, raising=False)
+    _stub_accounting(monkeypatch, calls)
 
     opt = dpoptim.DPSGD(nn.Linear(2, 2).parameters(), lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0,
                         expected_batch_size=2, sample_rate=0.5, max_epsilon=3.0)
