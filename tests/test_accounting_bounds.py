@@ -2292,6 +2292,21 @@ def test_calibration_near_zero_passes_over_a_central_limit_sigma_beyond_the_zero
     assert sigma in calls and len(calls) <= 3, calls
 
 
+def test_calibration_near_zero_passes_over_a_central_limit_sigma_far_above_the_extrapolation(monkeypatch):
+    # q 1.98e-6 over 2.97*10^7 steps, delta 0.0766: at the central limit theorem's sigma
+    # for the target the extrapolated coarse PLD reads a sixth of the target, and the
+    # accountant a quarter of it. Started there, the search took four evaluations (2.8 s);
+    # started where the extrapolation meets the target, three.
+    calls, accountant = count_accountant_calls(monkeypatch)
+    target, delta, q, steps = 0.008176, 0.0766, 1.98e-6, 29_658_712
+    clt = calibrate_module._clt_sigma(target * 0.999, delta, q, steps)
+    assert 0.0 < calibrate_module._extrapolated_epsilon(clt, q, steps, delta) < 0.5 * target
+    sigma = calibrate_noise(target, delta, q, steps)
+    assert target * 0.998 <= accountant([(sigma, q, steps)], delta) <= target
+    assert clt not in calls
+    assert sigma in calls and len(calls) <= 3, calls
+
+
 def test_the_extrapolated_coarse_pld_is_the_limit_of_a_geometric_sequence(monkeypatch):
     # Offsets shrinking by 2.2 per halving of the bins, above a value of 1e-4: the limit
     # is that value; a 0 on the finest grid, or differences that do not shrink, give the
