@@ -209,9 +209,8 @@ def pld_epsilon_lower_bound(runs, delta, grid_points: int | None = None, max_gro
     grid rarely fits a run at tiny sigma (losses in the thousands) beside runs that need
     fine bins, and the whole ledger's bound can then fall far below its heaviest run's
     (1525 against 9082 for sigma 0.0197, q 6e-5, 1988 steps beside sigma 11.2, q 0.0027,
-    4 million steps, delta 1e-11).
-
-    A ledger of several runs also takes the bounds of :func:`_many_runs_lower`.
+    4 million steps, delta 1e-11). It also takes the bounds of :func:`_many_runs_lower`;
+    with full batches, the other runs read against their Gaussian (:func:`_batches_lower`).
 
     One run is also bounded by the shifted Gaussian mixture's lower twin
     (:func:`~dpoptim.accounting.gaussian.mixture_epsilon_lower_bound`, tight for tiny
@@ -489,7 +488,7 @@ def _noted_pld_epsilon(runs: tuple, delta: float, grid_points: int | None, lower
     except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
         pld = 0.0 if lower else math.inf  # no PLD answer here: the other bounds stand
     if lower:
-        return max(pld, _split_lower(tuple(steps), deltas, shift, pld)), None
+        return max(pld, _split_lower(tuple(steps), deltas, shift, pld), _batches_lower(steps, mu, deltas, shift)), None
     raised = _raised_bound(runs, delta, deltas, shift, (grid_points, False, max_groups, rare_split))
     best = _costly_rdp_bounds(min(pld, ceiling, raised), bounded, mixture, rdp_delta)
     return best, notes.get(_LATER)
@@ -554,6 +553,91 @@ def _split_lower(steps: tuple, deltas: dict, shift: float, found: float) -> floa
     guess where that is 0)."""
     scale = found if found > 0 else _rdp_guess(steps, min(deltas.values()))
     return _shifted_max({d: rare_lower.split_lower_bound(steps, d, deltas[d], scale) for d in deltas}, shift)
+
+
+def _batches_lower(steps: list, mu: float, deltas: dict, shift: float) -> float:
+    r"""A lower bound for a ledger whose full batches make one Gaussian step of ``mu``
+    (the last of ``steps``; 0 where ``mu`` is 0) beside the subsampled ones: those steps'
+    dominated composition on a grid of their own, read against the Gaussian's exact
+    profile (:func:`_kernel_answer`).
+
+    The composed pair is a product, so under :math:`P` its loss is the subsampled
+    steps' :math:`S` plus the Gaussian's, independent, and
+
+    .. math::
+        \delta(\varepsilon) = \mathbb E_{S}\big[\delta_\mu(\varepsilon - S)\big],
+        \qquad \delta_\mu(x) = \Phi\big(\tfrac{\mu}{2} - \tfrac{x}{\mu}\big)
+            - e^{x}\,\Phi\big(-\tfrac{\mu}{2} - \tfrac{x}{\mu}\big)
+
+    (Balle & Wang 2018, Theorem 8, for the Gaussian's profile). A dominated pair for the
+    subsampled steps (:func:`_dominated_masses`) gives a dominated composition, whose
+    profile is the same expectation over its own loss: lowering each mass and rounding
+    each loss down (:math:`\delta_\mu` rises with it) only lowers it. One grid cannot
+    hold a Gaussian of :math:`\mu` near 50 (losses near :math:`\mu^2/2`, 1,300) beside
+    the bins the other steps need, and on it the bound fell to the full batches' own
+    epsilon: 1,541 against the reported 1,907 (:math:`\mu` 51, nine other runs, delta
+    2.8e-6). Here the window is the subsampled steps' alone. It is composed untilted: the
+    kernel reads every loss, also the low ones where mass beyond the window wraps around,
+    and a tilt would magnify that mass (23 units of it at sigma 1, q 0.01, 1000 steps
+    beside :math:`\mu` 3.16: 18.1046 against an exact epsilon of 18.0575). Untilted,
+    what wraps from either side weighs at most its mass, which Chernoff bounds on the
+    dominated steps bound (:func:`_below_window`); that is subtracted."""
+    steps = tuple(steps[:-1])
+    if not (mu > 0 and steps):
+        return 0.0
+    delta = min(deltas.values())
+    last = AUTO_GRID_POINTS[1]
+    try:
+        grid = _choose_grid(steps, delta, last, 4 * last, _rdp_guess(steps, delta) / 10.0)
+    except FloatingPointError:  # pragma: no cover - no window fits: no bound from here
+        return 0.0
+    kernel = functools.partial(_kernel_answer, mu=mu)
+    return _shifted_max(_lower_on(steps, deltas, dataclasses.replace(grid, tilt=0.0), kernel), shift)
+
+
+def _kernel_answer(masses: np.ndarray, losses: np.ndarray, constant: float, delta: float, mu: float) -> float:
+    r"""The largest epsilon at which :math:`c + \sum_k m_k \delta_\mu(\varepsilon - l_k)`
+    is certainly above ``delta`` (0 where it is not at 0): ``masses`` lowered by their
+    rounding, ``losses`` rounded down, ``constant`` :math:`c \le 0`. The masses are first
+    gathered onto at most :data:`_KERNEL_BINS` bins, each at its lowest loss (lowering the
+    profile again); the sums are lowered by their rounding, and :math:`\delta_\mu` by a
+    bound on the rounding of its logarithms (:func:`_gaussian_deltas_below`)."""
+    kept = masses > 0.0
+    if not kept.any():
+        return 0.0
+    masses, losses = masses[kept], losses[kept]  # (losses increase)
+    starts = np.arange(masses.size)
+    if masses.size > _KERNEL_BINS:
+        width = float(losses[-1] - losses[0]) / _KERNEL_BINS
+        starts = np.flatnonzero(np.diff(np.floor((losses - losses[0]) / width), prepend=-1.0))
+    gathered = np.add.reduceat(masses, starts) * (1.0 - 4.0 * (masses.size + starts.size) * _U)
+    at = losses[starts]  # each bin at its lowest loss
+
+    def profile(epsilon: float) -> float:
+        return constant + float(np.sum(gathered * _gaussian_deltas_below(epsilon - at, mu)))
+
+    if not profile(0.0) > delta:
+        return 0.0
+    low, high = 0.0, float(at[-1]) + gaussian_epsilon(delta, mu) + 1.0  # there the profile is at most delta
+    while high - low > 1e-12 * high:
+        middle = 0.5 * (low + high)
+        low, high = (middle, high) if profile(middle) > delta else (low, middle)
+    return low
+
+
+#: :func:`_kernel_answer` gathers the masses onto at most this many bins.
+_KERNEL_BINS = 2**14
+
+
+def _gaussian_deltas_below(x: np.ndarray, mu: float) -> np.ndarray:
+    r""":math:`\delta_\mu(x) = \Phi(\mu/2 - x/\mu) - e^x \Phi(-\mu/2 - x/\mu)` at each
+    ``x``, lowered by a bound on its rounding: both terms in log space (their ratio is
+    below 1), each logarithm taken as off by :math:`10^{-12}` of its size."""
+    first = log_ndtr(mu / 2.0 - x / mu)
+    ratio = x + log_ndtr(-mu / 2.0 - x / mu) - first
+    slack = 1e-12 * (1.0 + np.abs(x) + np.abs(ratio) + 2.0 * np.abs(first))
+    with np.errstate(under="ignore"):
+        return np.exp(first - slack) * -np.expm1(np.minimum(ratio + slack, 0.0))
 
 
 def _grouped(subsampled: list, max_groups: int | None, mu: float, lower: bool,
@@ -2033,10 +2117,11 @@ def _own_tilt(steps: tuple, direction: str, grid: _Grid, delta: float) -> float 
     return _choose_tilt(lambdas, cgf, grid.n * grid.spacing, delta, wrap)
 
 
-def _lower_on(steps: tuple, deltas: dict, grid: _Grid) -> dict:
-    """:func:`_compose_on` for the rigorous lower bound (see :func:`pld_epsilon_lower_bound`)."""
-    return _both_directions(
-        lambda direction: _direction_lower(steps, direction, _lower_grid(steps, direction, grid), deltas[direction]))
+def _lower_on(steps: tuple, deltas: dict, grid: _Grid, kernel=None) -> dict:
+    """:func:`_compose_on` for the rigorous lower bound (see :func:`pld_epsilon_lower_bound`);
+    ``kernel``: see :func:`_compose_direction`."""
+    return _both_directions(lambda direction: _direction_lower(
+        steps, direction, _lower_grid(steps, direction, grid), deltas[direction], kernel))
 
 
 def _side_by_side() -> bool:
@@ -4013,16 +4098,17 @@ def _direction_epsilon(steps, direction, grid: _Grid, delta, head: int = 0, mixt
     return _refined(compose, grid, epsilon)[0] if binding else epsilon
 
 
-def _direction_lower(steps, direction, grid: _Grid, delta) -> float:
+def _direction_lower(steps, direction, grid: _Grid, delta, kernel=None) -> float:
     """A rigorous *lower* bound on the epsilon of one direction (for tests and benchmarks)."""
-    epsilon, binding = _compose_direction(steps, direction, grid, delta, np.float64, lower=True)
+    epsilon, binding = _compose_direction(steps, direction, grid, delta, np.float64, lower=True, kernel=kernel)
     if binding and _EXTENDED_U < _U:
-        epsilon = max(epsilon, _compose_direction(steps, direction, grid, delta, np.longdouble, lower=True)[0])
+        epsilon = max(epsilon, _compose_direction(steps, direction, grid, delta, np.longdouble, lower=True,
+                                                  kernel=kernel)[0])
     return epsilon
 
 
 def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool = False,
-                       head: int = 0, mixture=None, cuts: dict | None = None) -> tuple[float, bool]:
+                       head: int = 0, mixture=None, cuts: dict | None = None, kernel=None) -> tuple[float, bool]:
     r"""Compose by FFT, undo the tilt, invert the profile: ``(epsilon, rounding_binding)``.
 
     The transform works on the *tilted* distributions :math:`\tilde m_k \propto m_k
@@ -4039,6 +4125,9 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
     ``cuts``: where given and the window was cut for more than :data:`_TAIL_FRACTION` of
     delta, it maps ``(direction, n, spacing)`` of the grid to how far the cuts (or the
     rounding allowance) move the answer (:func:`_cut_move`).
+
+    ``kernel`` (lower bounds only): where given, the lowered masses, their losses, the
+    constant and delta go to it for the answer instead (:func:`_batches_lower`).
     """
     grid = _directed(grid, direction)
     n, spacing = grid.n, grid.spacing
@@ -4067,11 +4156,7 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
     if lower:
         if not parts.cgf > -math.inf:  # a step kept no mass on the window: the dominated pair bounds nothing
             return 0.0, False
-        # Composed index k is at loss k h plus the steps' offsets, rounded down.
-        offset = _total_offset(steps, direction, spacing)
-        labels = losses + offset - 4.0 * _U * (np.abs(losses) + offset)
-        return _invert_profile(tilted, log_untilt, labels, -_below_window(steps, direction, grid), noise, delta,
-                               lower=True)
+        return _lower_read(steps, direction, grid, (tilted, log_untilt, losses, noise), delta, kernel)
     if mixture is None:
         tail = _grid_tail(items, grid, parts)
     constant = -math.expm1(parts.log_finite) + tail
@@ -4086,6 +4171,21 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
 #: A window cut for more than :data:`_TAIL_FRACTION` of delta (:func:`_compose_and_invert`)
 #: is kept where its cuts and rounding allowance move epsilon by at most this share of it.
 _CUT_SHARE = 1e-4
+
+
+def _lower_read(steps, direction, grid: _Grid, profile: tuple, delta: float, kernel) -> tuple[float, bool]:
+    """:func:`_compose_direction`'s answer for a lower bound from ``profile`` (``(tilted,
+    log_untilt, losses, noise)``): composed index k is at loss k h plus the steps'
+    offsets, rounded down; what wraps in from below is subtracted, and with a ``kernel``
+    (an untilted composition: :func:`_batches_lower`) what wraps in from above too."""
+    tilted, log_untilt, losses, noise = profile
+    offset = _total_offset(steps, direction, grid.spacing)
+    labels = losses + offset - 4.0 * _U * (np.abs(losses) + offset)
+    below = _below_window(steps, direction, grid)
+    if kernel is not None:
+        wrapped = below + _below_window(steps, direction, grid, above=True)
+        return kernel(_lowered_masses(tilted, log_untilt, noise), labels, -wrapped, delta), False
+    return _invert_profile(tilted, log_untilt, labels, -below, noise, delta, lower=True)
 
 
 def _cut_move(found: tuple, profile: tuple, delta: float) -> float:
@@ -4758,23 +4858,27 @@ def _lowest_kept(grid: _Grid, top: int) -> int:
     return grid.i_low if grid.i_low <= 0 else top - grid.n + 2
 
 
-def _below_window(steps, direction, grid: _Grid) -> float:
-    """For lower bounds: a Chernoff bound on the composed optimistic mass below the window.
+def _below_window(steps, direction, grid: _Grid, above: bool = False) -> float:
+    """For lower bounds: a Chernoff bound on the composed optimistic mass below the window
+    (``above``: at or above its top).
 
     That mass (at most ``(i_low - 1) h`` on the lattice) wraps to the window's top, where
     it would raise delta: the lower bound subtracts this bound on it, from the exact
     moment generating function of the grid distributions composed. Mass above the window
-    wraps to low losses, which can only lower delta: harmless for a lower bound.
-    ``grid`` as ``direction`` reads it (:func:`_directed`), as :func:`_compose_direction`
-    passes it.
+    wraps to low losses, which the hockey-stick profile does not read there; an
+    untilted composition read against a Gaussian (:func:`_batches_lower`) reads every
+    loss, and subtracts that mass's bound too. ``grid`` as ``direction`` reads it
+    (:func:`_directed`), as :func:`_compose_direction` passes it.
     """
     lambdas = np.geomspace(1e-3, 1e9, 61)  # narrow loss distributions need large lambdas
-    log_down = np.zeros_like(lambdas)
+    signed = lambdas if above else -lambdas
+    log_mgf = np.zeros_like(lambdas)
     bottoms = _step_bottoms(grid, direction, len(steps))
     for (sigma, q, count), bottom, top in zip(steps, bottoms, grid.tops[direction]):
         first, masses, _ = _step_distribution(sigma, q, direction, grid.spacing, bottom, top, True)
-        log_down = log_down + count * _log_mgf(first, masses, grid.spacing, -lambdas)
-    return math.exp(min(float((log_down + lambdas * (grid.i_low - 1) * grid.spacing).min()), 0.0))
+        log_mgf = log_mgf + count * _log_mgf(first, masses, grid.spacing, signed)
+    edge = grid.i_low + grid.n if above else grid.i_low - 1
+    return math.exp(min(float((log_mgf - signed * edge * grid.spacing).min()), 0.0))
 
 
 def _rounding_allowance(n: int, total_steps: int, weight: np.ndarray, modulus: np.ndarray, unit: float,
@@ -4901,8 +5005,7 @@ def _invert_profile(tilted, log_untilt, losses, constant, noise, delta, lower: b
     # lower bound takes that off each entry, so its allowance is the entry bound's.
     allowance = _allowances(noise if not lower else (noise[0], math.inf), log_untilt, decay, remaining)
     if lower:
-        with np.errstate(over="ignore"):
-            masses = np.maximum(masses - noise[0] * np.exp(np.minimum(log_untilt, 700.0)), 0.0)
+        masses = _lowered_masses(tilted, log_untilt, noise)
     above = _suffix_sum(masses)
     weighted = _weighted_suffix_sum(masses, losses, first_valid)
     if not lower:  # each sum within its rounding bound (as in _invert_by_bisection): A up, W down
@@ -4925,6 +5028,16 @@ def _invert_profile(tilted, log_untilt, losses, constant, noise, delta, lower: b
     span = slice(first_valid + 1, k + 1)
     return answer, bool(allowance[k - 1] > delta / 100.0) and _rounding_may_lower(
         answer, above[span], weighted[span], allowance[span], losses[span], delta)
+
+
+def _lowered_masses(tilted: np.ndarray, log_untilt: np.ndarray, noise: tuple) -> np.ndarray:
+    """The untilted masses, each less its rounding bound (``noise[0]``, untilted) and at
+    least 0: at most the exact ones. Entries whose untilting factor would overflow (far
+    below any answer) are 0, which only lowers a profile."""
+    valid = log_untilt <= 300.0
+    masses = np.where(valid, tilted * np.exp(np.minimum(log_untilt, 300.0)), 0.0)
+    with np.errstate(over="ignore"):
+        return np.maximum(masses - noise[0] * np.exp(np.minimum(log_untilt, 700.0)), 0.0)
 
 
 #: :func:`_invert_profile`'s ``binding`` where no grid point's untilting factor is
