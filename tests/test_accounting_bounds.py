@@ -6,6 +6,7 @@ analytic Gaussian for q = 1, the optimistic PLD (:func:`pld_epsilon_lower_bound`
 tiny sigma, the shifted Gaussian mixture (:func:`mixture_epsilon_lower_bound`).
 """
 
+import dataclasses
 import math
 import random
 import warnings
@@ -1003,6 +1004,29 @@ def test_the_full_batches_lower_bound_stays_below_revealing_the_sampled_steps(si
     q, delta = 10.0**log_q, 10.0**log_delta
     runs = [(1.0 / mu, 1.0, 1), (sigma, q, steps)]
     assert pld_epsilon_lower_bound(runs, delta) <= revealed_with_full_batches(sigma, q, steps, mu, delta) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("tilt", [0.0, 3.0, 12.0])
+def test_the_bound_on_what_wraps_in_from_above_holds_against_a_linear_composition(tilt):
+    # Compose two dominated steps' grid distributions by a linear convolution (no wrap),
+    # then fold what lies at or beyond a window of 64 points back onto it as a circular
+    # composition would, each part weighed e^{tilt (K - k) h} as undoing the tilt does:
+    # the mass landing at or above each index is at most the lower bound's bound there.
+    steps, direction = ((0.9, 0.2, 1), (0.6, 0.05, 1)), "remove"
+    grid = pld_module._choose_grid(steps, 1e-6, 2**10)
+    grid = dataclasses.replace(pld_module._lower_grid(steps, direction, grid), n=64, tilt=tilt)
+    composed, first = np.ones(1), 0
+    for (sigma, q, _), bottom, top in zip(steps, pld_module._step_bottoms(grid, direction, 2), grid.tops[direction]):
+        start, masses, _ = pld_module._step_distribution(sigma, q, direction, grid.spacing, bottom, top, True)
+        composed, first = np.convolve(composed, masses), first + start
+    indices = first + np.arange(composed.size)
+    beyond = indices >= grid.i_low + grid.n
+    assert beyond.any()  # the window is narrow enough for mass to wrap
+    landing = grid.i_low + (indices[beyond] - grid.i_low) % grid.n
+    weighed = composed[beyond] * np.exp(tilt * (indices[beyond] - landing) * grid.spacing)
+    for lowest in (grid.i_low, grid.i_low + 20, grid.i_low + 50):
+        actual = float(weighed[landing >= lowest].sum())
+        assert actual <= pld_module._wrapped_from_above(steps, direction, grid, lowest) * (1 + 1e-9) + 1e-300
 
 
 def test_the_lower_bound_of_a_ledger_is_at_least_its_heaviest_runs():

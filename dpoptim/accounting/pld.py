@@ -4176,16 +4176,30 @@ _CUT_SHARE = 1e-4
 def _lower_read(steps, direction, grid: _Grid, profile: tuple, delta: float, kernel) -> tuple[float, bool]:
     """:func:`_compose_direction`'s answer for a lower bound from ``profile`` (``(tilted,
     log_untilt, losses, noise)``): composed index k is at loss k h plus the steps'
-    offsets, rounded down; what wraps in from below is subtracted, and with a ``kernel``
-    (an untilted composition: :func:`_batches_lower`) what wraps in from above too."""
+    offsets, rounded down, and what wraps in from below is subtracted. So is what wraps
+    in from above (:func:`_wrapped_from_above`): onto the whole window for a ``kernel``
+    (an untilted composition read at every loss: :func:`_batches_lower`), else onto the
+    losses above a point a little below the answer, the only ones the profile reads
+    there. The answer stands where it lies at or above that point: between them, the
+    profile less the bound at the point lies above delta, and the exact one with it. The
+    point steps down twice where it does not; then the bound is 0."""
     tilted, log_untilt, losses, noise = profile
     offset = _total_offset(steps, direction, grid.spacing)
     labels = losses + offset - 4.0 * _U * (np.abs(losses) + offset)
     below = _below_window(steps, direction, grid)
     if kernel is not None:
-        wrapped = below + _below_window(steps, direction, grid, above=True)
+        wrapped = below + _wrapped_from_above(steps, direction, grid, grid.i_low)
         return kernel(_lowered_masses(tilted, log_untilt, noise), labels, -wrapped, delta), False
-    return _invert_profile(tilted, log_untilt, labels, -below, noise, delta, lower=True)
+    found = _invert_profile(tilted, log_untilt, labels, -below, noise, delta, lower=True)
+    for _ in range(3):
+        point = found[0] - 2.0 * grid.spacing
+        wrapped = _wrapped_from_above(steps, direction, grid, math.floor((point - offset) / grid.spacing))
+        if not wrapped > 0.0:
+            return found
+        found = _invert_profile(tilted, log_untilt, labels, -(below + wrapped), noise, delta, lower=True)
+        if found[0] >= point:
+            return found
+    return 0.0, found[1]
 
 
 def _cut_move(found: tuple, profile: tuple, delta: float) -> float:
@@ -4858,27 +4872,49 @@ def _lowest_kept(grid: _Grid, top: int) -> int:
     return grid.i_low if grid.i_low <= 0 else top - grid.n + 2
 
 
-def _below_window(steps, direction, grid: _Grid, above: bool = False) -> float:
-    """For lower bounds: a Chernoff bound on the composed optimistic mass below the window
-    (``above``: at or above its top).
+def _below_window(steps, direction, grid: _Grid) -> float:
+    """For lower bounds: a Chernoff bound on the composed optimistic mass below the window.
 
     That mass (at most ``(i_low - 1) h`` on the lattice) wraps to the window's top, where
     it would raise delta: the lower bound subtracts this bound on it, from the exact
-    moment generating function of the grid distributions composed. Mass above the window
-    wraps to low losses, which the hockey-stick profile does not read there; an
-    untilted composition read against a Gaussian (:func:`_batches_lower`) reads every
-    loss, and subtracts that mass's bound too. ``grid`` as ``direction`` reads it
-    (:func:`_directed`), as :func:`_compose_direction` passes it.
+    moment generating function of the grid distributions composed (:func:`_window_log_mgf`).
+    ``grid`` as ``direction`` reads it (:func:`_directed`), as :func:`_compose_direction`
+    passes it.
     """
     lambdas = np.geomspace(1e-3, 1e9, 61)  # narrow loss distributions need large lambdas
-    signed = lambdas if above else -lambdas
+    log_down = _window_log_mgf(steps, direction, grid, -lambdas)
+    return math.exp(min(float((log_down + lambdas * (grid.i_low - 1) * grid.spacing).min()), 0.0))
+
+
+def _wrapped_from_above(steps, direction, grid: _Grid, lowest: int) -> float:
+    r"""For lower bounds: a bound on the untilted mass that wraps around from above the
+    window onto its indices ``lowest`` and up (:func:`_lower_read`).
+
+    Composed index :math:`K` at or beyond the window's top lands at :math:`K - jn`, and
+    undoing the tilt :math:`\theta` weighs it :math:`e^{\theta j n h}` times: onto an
+    index :math:`k \ge` ``lowest`` that is at most :math:`e^{\theta (K - \text{lowest}) h}`,
+    and only :math:`K \ge \text{lowest} + n` land there. For any
+    :math:`\lambda \ge \theta`, :math:`e^{\theta (K - l) h}\,1\{K \ge l + n\} \le
+    e^{\lambda (K - l) h - (\lambda - \theta) n h}`, so the mass is at most
+    :math:`\min_\lambda \mathbb E[e^{\lambda K h}]\, e^{-\lambda\, l h - (\lambda - \theta) n h}`,
+    from the exact moment generating function of the grid distributions composed."""
+    tilt = grid.tilt
+    lambdas = tilt * 2.0 ** np.arange(0.0, 16.25, 0.25) if tilt > 0 else np.geomspace(1e-3, 1e9, 61)
+    log_up = _window_log_mgf(steps, direction, grid, lambdas)
+    exponents = log_up - lambdas * lowest * grid.spacing - (lambdas - tilt) * grid.n * grid.spacing
+    return math.exp(min(float(exponents.min()), 700.0))  # not capped at 1: the untilting magnifies it
+
+
+def _window_log_mgf(steps, direction, grid: _Grid, lambdas: np.ndarray) -> np.ndarray:
+    """An upper bound on the log moment generating function, at ``lambdas``, of the
+    composed grid index (times the spacing) of the dominated steps a lower bound composes
+    (:func:`_log_mgf` of each, by their counts)."""
     log_mgf = np.zeros_like(lambdas)
     bottoms = _step_bottoms(grid, direction, len(steps))
     for (sigma, q, count), bottom, top in zip(steps, bottoms, grid.tops[direction]):
         first, masses, _ = _step_distribution(sigma, q, direction, grid.spacing, bottom, top, True)
-        log_mgf = log_mgf + count * _log_mgf(first, masses, grid.spacing, signed)
-    edge = grid.i_low + grid.n if above else grid.i_low - 1
-    return math.exp(min(float((log_mgf - signed * edge * grid.spacing).min()), 0.0))
+        log_mgf = log_mgf + count * _log_mgf(first, masses, grid.spacing, lambdas)
+    return log_mgf
 
 
 def _rounding_allowance(n: int, total_steps: int, weight: np.ndarray, modulus: np.ndarray, unit: float,
