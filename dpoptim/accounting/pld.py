@@ -5097,7 +5097,6 @@ def _invert_profile(tilted, log_untilt, losses, constant, noise, delta, lower: b
     first_valid = int(np.argmax(valid))  # log_untilt is non-increasing in k
     if not lower and losses[-1] - losses[first_valid] < 600.0:
         return _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, first_valid)
-    masses = np.where(valid, tilted * np.exp(np.minimum(log_untilt, 300.0)), 0.0)
     decay = float(log_untilt[0] - log_untilt[1])  # tilt * spacing
     remaining = (n - 1 - np.arange(n)).astype(float)
     # Each entry is at least its computed value less its rounding bound (and >= 0): the
@@ -5105,6 +5104,8 @@ def _invert_profile(tilted, log_untilt, losses, constant, noise, delta, lower: b
     allowance = _allowances(noise if not lower else (noise[0], math.inf), log_untilt, decay, remaining)
     if lower:
         masses = _lowered_masses(tilted, log_untilt, noise)
+    else:
+        masses = np.where(valid, tilted * np.exp(np.minimum(log_untilt, 300.0)), 0.0)
     above = _suffix_sum(masses)
     weighted = _weighted_suffix_sum(masses, losses, first_valid)
     if not lower:  # each sum within its rounding bound (as in _invert_by_bisection): A up, W down
