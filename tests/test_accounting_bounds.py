@@ -1056,6 +1056,32 @@ def test_the_chance_a_sampled_step_loses_at_least_a_loss_is_rounded_down(sigma, 
                 assert chance <= tail * (1 + 1e-9), (level, tail, chance)
 
 
+def test_a_split_whose_bins_spill_the_bulk_into_its_tails_gives_no_answer():
+    # 83 steps at sigma 1.19, q 1.5e-4 beside 13 at sigma 0.041, q 5.5e-6, delta 2.2e-3.
+    # On bins of 0.0625 (sized for the RDP guess of 211) the bulk, 0.0035 wide, spilled
+    # into the grid point above the cut, and the bound on two tail steps took 0.975 of
+    # delta: the split reported 261.8. Revealing which steps sampled the example (given
+    # k1 and k2 of them, the Gaussian mechanism at sqrt(k1 / 1.19^2 + k2 / 0.041^2))
+    # bounds the exact epsilon by 0.50, owing nothing to the library.
+    runs, delta = [(1.1895670703365682, 1.4764462555349393e-4, 83), (0.04115114815859696, 5.48252835885438e-6, 13)], \
+        0.002230290151259705
+    k1, k2 = np.meshgrid(np.arange(8), np.arange(5), indexing="ij")
+    weights = stats.binom.pmf(k1, 83, runs[0][1]) * stats.binom.pmf(k2, 13, runs[1][1])
+    mus = np.sqrt(k1 / runs[0][0] ** 2 + k2 / runs[1][0] ** 2)
+    live = mus > 0
+
+    def revealed(eps):  # the mass left out (k1 > 7 or k2 > 4, below 1e-14) counted as 1
+        mu = mus[live]
+        profile = stats.norm.cdf(-eps / mu + mu / 2) - np.exp(eps + stats.norm.logcdf(-eps / mu - mu / 2))
+        return float(weights[live] @ profile) + (1.0 - float(weights.sum()))
+
+    oracle = brentq(lambda eps: revealed(eps) - delta, 0.0, 100.0)
+    assert 0.4 < oracle < 0.6
+    assert epsilon_of_ledger(runs, delta) <= oracle
+    steps = tuple(tuple(run) for run in runs)
+    assert rare.split_epsilon(steps, "remove", delta, 211.4, True, pld_module._FIRST_SPLIT_POINTS, strict=True) is None
+
+
 def test_the_lower_bound_of_a_ledger_is_at_least_its_heaviest_runs():
     # Dropping the other runs' outputs is a post-processing. One grid fits a run at
     # sigma 0.0266 (losses in the thousands) badly beside runs that need fine bins: the
