@@ -23,6 +23,7 @@ from dpoptim.accounting import calibrate_noise, epsilon, epsilon_of_ledger, gaus
 from dpoptim.accounting import calibrate as calibrate_module
 from dpoptim.accounting import ledger as ledger_module
 from dpoptim.accounting.gaussian import (
+    gaussian_deltas_below,
     mixture_delta,
     mixture_epsilon,
     mixture_epsilon_lower_bound,
@@ -978,6 +979,19 @@ def revealed_with_full_batches(sigma, q, steps, mu, delta):
         return float(weights @ (np.exp(first) * -np.expm1(np.minimum(second - first, 0.0))))
 
     return brentq(lambda eps: profile(eps) - delta, 0.0, 1e8, xtol=1e-9, rtol=1e-12)
+
+
+@pytest.mark.parametrize("mu", [0.5, 2.0, 5.0])
+def test_the_lowered_gaussian_profile_lies_just_below_the_exact_one(mu):
+    # Against the one-step profile at q = 1 from Gaussian tails (the Gaussian mechanism
+    # at noise 1/mu), where that linear formula is accurate (values above 1e-8).
+    x = np.array([-3.0, -0.2, 0.0, 0.5, 2.0, 8.0])
+    lowered = gaussian_deltas_below(x, mu)
+    for value, point in zip(lowered, x):
+        exact = one_step_profile(1.0 / mu, 1.0, "remove", float(point))
+        assert value <= exact * (1 + 1e-12) + 1e-300, (point, value, exact)
+        if exact > 1e-8:
+            assert value >= exact * (1 - 1e-6), (point, value, exact)
 
 
 def test_full_batches_beside_subsampled_runs_are_bounded_below_against_their_gaussian():

@@ -205,6 +205,18 @@ def _gaussian_deltas(epsilons: np.ndarray, mu: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(out), 1.0, out)
 
 
+def gaussian_deltas_below(x: np.ndarray, mu: float) -> np.ndarray:
+    r""":func:`gaussian_delta` at each ``x``, :math:`\delta_\mu(x) = \Phi(\mu/2 - x/\mu)
+    - e^x \Phi(-\mu/2 - x/\mu)`, lowered by a bound on its rounding, for lower bounds
+    (:func:`~dpoptim.accounting.pld.pld_epsilon_lower_bound`): both terms in log space
+    (their ratio is below 1), each logarithm taken as off by :math:`10^{-12}` of its size."""
+    first = log_ndtr(mu / 2.0 - x / mu)
+    ratio = x + log_ndtr(-mu / 2.0 - x / mu) - first
+    slack = 1e-12 * (1.0 + np.abs(x) + np.abs(ratio) + 2.0 * np.abs(first))
+    with np.errstate(under="ignore"):
+        return np.exp(first - slack) * -np.expm1(np.minimum(ratio + slack, 0.0))
+
+
 def _mixture_deltas(epsilons: np.ndarray, sigma: float, q: float, steps: int, tail: float = 0.0) -> np.ndarray:
     mu, masses, beyond = _mixture_bins(sigma, q, steps, tail or 1e-300)
     values = _gaussian_deltas(epsilons, mu) @ masses

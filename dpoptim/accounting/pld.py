@@ -132,6 +132,7 @@ from .. import background
 from . import ledger as ledger_module
 from . import lowfreq, rare, rare_lower, staged, staged_lower
 from .gaussian import (
+    gaussian_deltas_below,
     gaussian_epsilon,
     gaussian_mu,
     ledger_mixture_epsilon,
@@ -664,7 +665,7 @@ def _kernel_answer(masses: np.ndarray, losses: np.ndarray, constant: float, delt
     rounding, ``losses`` rounded down, ``constant`` :math:`c \le 0`. The masses are first
     gathered onto at most :data:`_KERNEL_BINS` bins, each at its lowest loss (lowering the
     profile again); the sums are lowered by their rounding, and :math:`\delta_\mu` by a
-    bound on the rounding of its logarithms (:func:`_gaussian_deltas_below`)."""
+    bound on the rounding of its logarithms (:func:`~dpoptim.accounting.gaussian.gaussian_deltas_below`)."""
     kept = masses > 0.0
     if not kept.any():
         return 0.0
@@ -677,7 +678,7 @@ def _kernel_answer(masses: np.ndarray, losses: np.ndarray, constant: float, delt
     at = losses[starts]  # each bin at its lowest loss
 
     def profile(epsilon: float) -> float:
-        return constant + float(np.sum(gathered * _gaussian_deltas_below(epsilon - at, mu)))
+        return constant + float(np.sum(gathered * gaussian_deltas_below(epsilon - at, mu)))
 
     if not profile(0.0) > delta:
         return 0.0
@@ -690,17 +691,6 @@ def _kernel_answer(masses: np.ndarray, losses: np.ndarray, constant: float, delt
 
 #: :func:`_kernel_answer` gathers the masses onto at most this many bins.
 _KERNEL_BINS = 2**14
-
-
-def _gaussian_deltas_below(x: np.ndarray, mu: float) -> np.ndarray:
-    r""":math:`\delta_\mu(x) = \Phi(\mu/2 - x/\mu) - e^x \Phi(-\mu/2 - x/\mu)` at each
-    ``x``, lowered by a bound on its rounding: both terms in log space (their ratio is
-    below 1), each logarithm taken as off by :math:`10^{-12}` of its size."""
-    first = log_ndtr(mu / 2.0 - x / mu)
-    ratio = x + log_ndtr(-mu / 2.0 - x / mu) - first
-    slack = 1e-12 * (1.0 + np.abs(x) + np.abs(ratio) + 2.0 * np.abs(first))
-    with np.errstate(under="ignore"):
-        return np.exp(first - slack) * -np.expm1(np.minimum(ratio + slack, 0.0))
 
 
 def _grouped(subsampled: list, max_groups: int | None, mu: float, lower: bool,
