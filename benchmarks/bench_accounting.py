@@ -7,6 +7,7 @@
     python -m benchmarks.bench_accounting --survey 60 --seed 3   # random calibrations near epsilon's zero
     python -m benchmarks.bench_accounting --appends 25 --seed 1  # one pair more on random schedules
     python -m benchmarks.bench_accounting --audit 40 --seed 41   # the upper against the lower bound
+    python -m benchmarks.bench_accounting --sweeps 100 --seed 42 # fine monotonicity sweeps of single runs
     python -m benchmarks.bench_accounting --budget-stop 1.0      # a schedule run to its budget, two ways
 
 Timed rows use a noise multiplier no cache has seen (a tiny offset). Wall and CPU time are
@@ -422,6 +423,55 @@ def _audit_survey(count: int, seed: int) -> None:
           + (f" (draws {', '.join(map(str, crossed))})" if crossed else "") + f", {wide} bracketed wider than 1%")
 
 
+def sweep_points(count: int, seed: int) -> list:
+    """``count`` random single runs ``(sigma, q, steps, delta)`` anywhere in the stated range
+    (each log-uniform: sigma 0.001 to 30, q 1e-6 to 1, 1 to 10^8 steps, delta 1e-12 to 0.1)."""
+    rng = random.Random(seed)
+
+    def between(low: float, high: float) -> float:
+        return math.exp(rng.uniform(math.log(low), math.log(high)))
+
+    return [(between(1e-3, 30.0), between(1e-6, 1.0), int(between(1.0, 1e8)), between(1e-12, 0.1))
+            for _ in range(count)]
+
+
+#: The factors :func:`_sweep_survey` moves each axis by, from the point itself.
+SWEEP_FACTORS = (1.0, 1.002, 1.005, 1.01, 1.02)
+
+
+def _swept(point: tuple, axis: int, factor: float) -> tuple:
+    """``point`` with its ``axis`` (0 sigma, 1 q, 2 steps, 3 delta) moved up by ``factor``:
+    q at most 1 and delta at most 0.999; a count of steps by at least one step per 0.2%."""
+    moved = list(point)
+    if axis == 2:
+        moved[2] = max(int(point[2] * factor), point[2] + round((factor - 1.0) / 0.002))
+    else:
+        moved[axis] = min(point[axis] * factor, 1.0 if axis == 1 else 0.999)
+    return tuple(moved)
+
+
+def _sweep_survey(count: int, seed: int) -> None:
+    """Epsilon of one run on :func:`sweep_points`, each axis moved up by :data:`SWEEP_FACTORS`:
+    it must fall with sigma and delta and grow with q and the steps. Counts the dips."""
+    print(f"| sweeps, seed {seed} | sigma | q | steps | delta | epsilon | dips | wall s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    dips = 0
+    for k, point in enumerate(sweep_points(count, seed)):
+        start, found = time.perf_counter(), []
+        for axis, name in enumerate(("sigma", "q", "steps", "delta")):
+            values = [epsilon_of_ledger([_swept(point, axis, factor)[:3]], _swept(point, axis, factor)[3])
+                      for factor in SWEEP_FACTORS]
+            falling = axis in (0, 3)
+            found += [f"{name} x{SWEEP_FACTORS[i + 1]:g}" for i, (a, b) in enumerate(zip(values, values[1:]))
+                      if not ((b <= a) if falling else (b >= a))]
+        dips += len(found)
+        sigma, q, steps, delta = point
+        print(f"| {k} | {sigma:.4g} | {q:.4g} | {steps:,} | {delta:.3g} | {_show(epsilon_of_ledger([point[:3]], delta))} "
+              f"| {', '.join(found) or 0} | {time.perf_counter() - start:.2f} |", flush=True)
+    print(f"\n{count} point{'s' if count != 1 else ''}, {4 * (len(SWEEP_FACTORS) - 1) * count} neighbours: "
+          f"{dips} against the trend")
+
+
 def _budget_stop_rows(budget: float) -> None:
     """A noise schedule that changes at every step (sigma from 1.5 down by 10^-4 a step,
     q 0.01, delta 1e-5), run with ``DPSGD`` until its budget stop refuses a step: as the
@@ -474,6 +524,8 @@ def main(argv=None) -> int:
                         help="only: one pair more on N random schedules (3 appends each)")
     parser.add_argument("--audit", type=int, default=0, metavar="N",
                         help="only: epsilon against its rigorous lower bound on N random ledgers")
+    parser.add_argument("--sweeps", type=int, default=0, metavar="N",
+                        help="only: fine monotonicity sweeps of N random single runs")
     parser.add_argument("--budget-stop", type=float, default=0.0, metavar="EPS",
                         help="only: a schedule run to a budget of EPS with the optimizer, two ways")
     parser.add_argument("--seed", type=int, default=0, help="the surveys' draws")
@@ -493,6 +545,9 @@ def main(argv=None) -> int:
         return 0
     if args.audit:
         _audit_survey(args.audit, args.seed)
+        return 0
+    if args.sweeps:
+        _sweep_survey(args.sweeps, args.seed)
         return 0
     if args.budget_stop:
         _budget_stop_rows(args.budget_stop)

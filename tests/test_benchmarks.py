@@ -174,6 +174,35 @@ def test_append_survey_reports_the_accountants_epsilon_before_and_after_one_more
     assert after == pytest.approx(epsilon_of_ledger(runs[:length + 1], delta), rel=1e-5)
 
 
+def test_sweep_points_lie_in_the_stated_range_and_move_up_on_each_axis():
+    from benchmarks.bench_accounting import SWEEP_FACTORS, _swept, sweep_points
+
+    points = sweep_points(200, seed=42)
+    assert points == sweep_points(200, seed=42) and points != sweep_points(200, seed=43)
+    for sigma, q, steps, delta in points:
+        assert 1e-3 <= sigma <= 30.0 and 1e-6 <= q <= 1.0 and 1 <= steps <= 1e8 and 1e-12 <= delta <= 0.1
+    point = (0.5, 0.999, 10, 0.0995)
+    for axis in range(4):
+        moved = [_swept(point, axis, factor) for factor in SWEEP_FACTORS]
+        assert moved[0] == point and all(m[:axis] + m[axis + 1:] == point[:axis] + point[axis + 1:] for m in moved)
+        assert all(a[axis] <= b[axis] for a, b in zip(moved, moved[1:]))
+    assert [m[2] for m in (_swept(point, 2, factor) for factor in SWEEP_FACTORS)] == [10, 11, 12, 15, 20]
+    assert _swept(point, 1, 1.02)[1] == 1.0 and _swept(point, 3, 1.02)[3] == pytest.approx(0.10149)
+
+
+def test_sweep_survey_reports_no_dip_on_its_first_point():
+    """One point of the survey (seed 42: a cheap one), epsilon moved on every axis."""
+    from benchmarks.bench_accounting import sweep_points
+    from dpoptim.accounting import epsilon_of_ledger
+
+    output = _accounting_bench("--sweeps", "1", "--seed", "42")
+    rows = _rows_of_draw(output, 0)
+    assert len(rows) == 1 and "1 point, 16 neighbours: 0 against the trend" in output
+    sigma, q, steps, delta = sweep_points(1, seed=42)[0]
+    assert int(rows[0][4].replace(",", "")) == steps and rows[0][7].strip() == "0"
+    assert float(rows[0][6]) == pytest.approx(epsilon_of_ledger([(sigma, q, steps)], delta), rel=1e-5)
+
+
 def test_audit_draws_cover_their_three_kinds_within_their_ranges():
     from benchmarks.bench_accounting import audit_draws
 
