@@ -8,6 +8,7 @@
     python -m benchmarks.bench_accounting --appends 25 --seed 1  # one pair more on random schedules
     python -m benchmarks.bench_accounting --audit 40 --seed 41   # the upper against the lower bound
     python -m benchmarks.bench_accounting --sweeps 100 --seed 42 # fine monotonicity sweeps of single runs
+    python -m benchmarks.bench_accounting --long 200 --seed 6    # random single runs of 10^8 steps, timed
     python -m benchmarks.bench_accounting --budget-stop 1.0      # a schedule run to its budget, two ways
 
 Timed rows use a noise multiplier no cache has seen (a tiny offset). Wall and CPU time are
@@ -435,6 +436,31 @@ def sweep_points(count: int, seed: int) -> list:
             for _ in range(count)]
 
 
+def long_run_points(count: int, seed: int) -> list:
+    """``count`` random single runs ``(sigma, q, delta)`` of 10^8 steps anywhere in the stated
+    range (each log-uniform: sigma 0.001 to 30, q 1e-6 to 1, delta 1e-12 to 0.1)."""
+    rng = random.Random(seed)
+
+    def between(low: float, high: float) -> float:
+        return math.exp(rng.uniform(math.log(low), math.log(high)))
+
+    return [(between(1e-3, 30.0), between(1e-6, 1.0), between(1e-12, 0.1)) for _ in range(count)]
+
+
+def _long_run_survey(count: int, seed: int) -> None:
+    """Times ``privacy_spent()``'s accountant on :func:`long_run_points` (each sigma new to
+    the caches) against the 0.5 s target for 10^8 steps, and counts the runs above it."""
+    print(f"| 10^8 steps, seed {seed} | sigma | q | delta | epsilon | wall s | cpu s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    walls = []
+    for k, (sigma, q, delta) in enumerate(long_run_points(count, seed)):
+        value, wall, cpu = _time(lambda: epsilon_of_ledger([(sigma, q, 10**8)], delta), 1)
+        walls.append(wall)
+        print(f"| {k} | {sigma:.4g} | {q:.3g} | {delta:.2g} | {_show(value)} | {wall:.2f} | {cpu:.2f} |", flush=True)
+    print(f"\n{count} run{'s' if count != 1 else ''}: {sum(walls):.1f} s in all, "
+          f"{sum(wall > 0.5 for wall in walls)} above 0.5 s, longest {max(walls):.2f} s")
+
+
 #: The factors :func:`_sweep_survey` moves each axis by, from the point itself.
 SWEEP_FACTORS = (1.0, 1.002, 1.005, 1.01, 1.02)
 
@@ -524,6 +550,8 @@ def main(argv=None) -> int:
                         help="only: one pair more on N random schedules (3 appends each)")
     parser.add_argument("--audit", type=int, default=0, metavar="N",
                         help="only: epsilon against its rigorous lower bound on N random ledgers")
+    parser.add_argument("--long", type=int, default=0, metavar="N",
+                        help="only: N random single runs of 10^8 steps, timed against 0.5 s")
     parser.add_argument("--sweeps", type=int, default=0, metavar="N",
                         help="only: fine monotonicity sweeps of N random single runs")
     parser.add_argument("--budget-stop", type=float, default=0.0, metavar="EPS",
@@ -545,6 +573,9 @@ def main(argv=None) -> int:
         return 0
     if args.audit:
         _audit_survey(args.audit, args.seed)
+        return 0
+    if args.long:
+        _long_run_survey(args.long, args.seed)
         return 0
     if args.sweeps:
         _sweep_survey(args.sweeps, args.seed)

@@ -190,6 +190,21 @@ def test_sweep_points_lie_in_the_stated_range_and_move_up_on_each_axis():
     assert _swept(point, 1, 1.02)[1] == 1.0 and _swept(point, 3, 1.02)[3] == pytest.approx(0.10149)
 
 
+def test_long_run_survey_times_runs_of_10_to_the_8_steps_in_the_stated_range():
+    """One run of the survey (seed 6: a quick one), its epsilon the accountant's."""
+    from benchmarks.bench_accounting import long_run_points
+    from dpoptim.accounting import epsilon_of_ledger
+
+    points = long_run_points(200, seed=6)
+    assert points == long_run_points(200, seed=6) and points != long_run_points(200, seed=7)
+    assert all(1e-3 <= sigma <= 30.0 and 1e-6 <= q <= 1.0 and 1e-12 <= delta <= 0.1 for sigma, q, delta in points)
+    output = _accounting_bench("--long", "1", "--seed", "6")
+    rows = _rows_of_draw(output, 0)
+    assert len(rows) == 1 and "1 run:" in output and "above 0.5 s" in output
+    sigma, q, delta = points[0]
+    assert float(rows[0][5]) == pytest.approx(epsilon_of_ledger([(sigma, q, 10**8)], delta), rel=1e-5)
+
+
 def test_sweep_survey_reports_no_dip_on_its_first_point():
     """One point of the survey (seed 42: a cheap one), epsilon moved on every axis."""
     from benchmarks.bench_accounting import sweep_points
