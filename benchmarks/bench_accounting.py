@@ -424,27 +424,25 @@ def _audit_survey(count: int, seed: int) -> None:
           + (f" (draws {', '.join(map(str, crossed))})" if crossed else "") + f", {wide} bracketed wider than 1%")
 
 
+def _log_uniform(rng: random.Random, low: float, high: float) -> float:
+    """A draw of ``rng`` log-uniform between ``low`` and ``high``."""
+    return math.exp(rng.uniform(math.log(low), math.log(high)))
+
+
 def sweep_points(count: int, seed: int) -> list:
     """``count`` random single runs ``(sigma, q, steps, delta)`` anywhere in the stated range
     (each log-uniform: sigma 0.001 to 30, q 1e-6 to 1, 1 to 10^8 steps, delta 1e-12 to 0.1)."""
     rng = random.Random(seed)
-
-    def between(low: float, high: float) -> float:
-        return math.exp(rng.uniform(math.log(low), math.log(high)))
-
-    return [(between(1e-3, 30.0), between(1e-6, 1.0), int(between(1.0, 1e8)), between(1e-12, 0.1))
-            for _ in range(count)]
+    return [(_log_uniform(rng, 1e-3, 30.0), _log_uniform(rng, 1e-6, 1.0), int(_log_uniform(rng, 1.0, 1e8)),
+             _log_uniform(rng, 1e-12, 0.1)) for _ in range(count)]
 
 
 def long_run_points(count: int, seed: int) -> list:
     """``count`` random single runs ``(sigma, q, delta)`` of 10^8 steps anywhere in the stated
     range (each log-uniform: sigma 0.001 to 30, q 1e-6 to 1, delta 1e-12 to 0.1)."""
     rng = random.Random(seed)
-
-    def between(low: float, high: float) -> float:
-        return math.exp(rng.uniform(math.log(low), math.log(high)))
-
-    return [(between(1e-3, 30.0), between(1e-6, 1.0), between(1e-12, 0.1)) for _ in range(count)]
+    return [(_log_uniform(rng, 1e-3, 30.0), _log_uniform(rng, 1e-6, 1.0), _log_uniform(rng, 1e-12, 0.1))
+            for _ in range(count)]
 
 
 def _long_run_survey(count: int, seed: int) -> None:
