@@ -483,8 +483,8 @@ def _sweep_survey(count: int, seed: int) -> None:
     for k, point in enumerate(sweep_points(count, seed)):
         start, found = time.perf_counter(), []
         for axis, name in enumerate(("sigma", "q", "steps", "delta")):
-            values = [epsilon_of_ledger([_swept(point, axis, factor)[:3]], _swept(point, axis, factor)[3])
-                      for factor in SWEEP_FACTORS]
+            moved = [_swept(point, axis, factor) for factor in SWEEP_FACTORS]
+            values = [epsilon_of_ledger([run[:3]], run[3]) for run in moved]
             falling = axis in (0, 3)
             found += [f"{name} x{SWEEP_FACTORS[i + 1]:g}" for i, (a, b) in enumerate(zip(values, values[1:]))
                       if not ((b <= a) if falling else (b >= a))]
