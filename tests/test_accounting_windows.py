@@ -159,3 +159,28 @@ def test_an_answer_at_its_own_windows_bottom_is_not_refined(monkeypatch):
     reported = pld_epsilon(runs, 1.3e-10)
     assert dtypes and all(dtype == np.float64 for dtype in dtypes), dtypes
     assert reported <= epsilon_of_ledger(runs, 1.3e-10, accountant="rdp")
+
+
+def test_a_wide_profile_read_from_its_floor_gives_the_whole_windows_answer(monkeypatch):
+    # A profile spanning 600 or more of loss is read from a point below which none is
+    # certified (pld._answer_floor); where rounding may decide, the points below are
+    # accumulated on from there. Every answer is the whole window's to the last bit, and
+    # a floor 2^12 points too high changes them.
+    ledgers = [([(0.5, 0.2, 10_000)], 1e-10), ([(0.05, 0.001, 10**6)], 1e-9), ([(1.0, 0.5, 100_000)], 1e-12),
+               ([(0.6, 0.05, 100_000), (0.3, 0.01, 1000)], 1e-8)]
+    floors, seeded = [], []
+    floor, terms = pld_module._answer_floor, pld_module._wide_terms
+    monkeypatch.setattr(pld_module, "_answer_floor", lambda *a: floors.append((floor(*a), a[4])) or floors[-1][0])
+    monkeypatch.setattr(pld_module, "_wide_terms", lambda *a: seeded.append(a[7] is not None) or terms(*a))
+
+    def answers():
+        pld_module._noted_pld_epsilon.cache_clear()
+        return [pld_epsilon(runs, delta) for runs, delta in ledgers]
+
+    read = answers()
+    assert all(start > first for start, first in floors) and any(seeded)
+    monkeypatch.setattr(pld_module, "_answer_floor", lambda *a: a[4])  # the first valid point: the whole window
+    assert answers() == read
+    monkeypatch.setattr(pld_module, "_answer_floor", lambda *a: floor(*a) + 2 ** 12)
+    assert answers() != read
+    pld_module._noted_pld_epsilon.cache_clear()
