@@ -563,21 +563,12 @@ def main(argv=None) -> int:
     if args.groups:
         _grouping_tradeoff()
         return 0
-    if args.survey:
-        _near_zero_survey(args.survey, args.seed)
-        return 0
-    if args.appends:
-        _append_survey(args.appends, args.seed)
-        return 0
-    if args.audit:
-        _audit_survey(args.audit, args.seed)
-        return 0
-    if args.long:
-        _long_run_survey(args.long, args.seed)
-        return 0
-    if args.sweeps:
-        _sweep_survey(args.sweeps, args.seed)
-        return 0
+    surveys = ((args.survey, _near_zero_survey), (args.appends, _append_survey), (args.audit, _audit_survey),
+               (args.long, _long_run_survey), (args.sweeps, _sweep_survey))
+    for count, survey in surveys:  # each of N random draws of the seed's
+        if count:
+            survey(count, args.seed)
+            return 0
     if args.budget_stop:
         _budget_stop_rows(args.budget_stop)
         return 0
