@@ -5144,19 +5144,12 @@ def _invert_wide(tilted, log_untilt, losses, constant, noise, delta, first_valid
 
 def _wide_terms(masses, log_untilt, losses, noise, decay: float, first: int, last: int, seed) -> tuple:
     """``(allowance, weighted, accumulated)`` of :func:`_invert_wide` at the points ``first``
-    to ``last - 1``: each point's rounding allowance (:func:`_allowances`), the weighted
-    suffix sum of :func:`_weighted_suffix_sum` (in log space, from the top), and that
-    accumulation through ``first``, the ``seed`` of the points below (None: nothing above)."""
+    to ``last - 1``: each point's rounding allowance (:func:`_allowances`), and the weighted
+    suffix sum with the accumulation through ``first`` (:func:`_log_suffix_sum`, from
+    ``seed``)."""
     part = slice(first, last)
     allowance = _allowances(noise, log_untilt[part], decay, (losses.size - 1 - np.arange(first, last)).astype(float))
-    with np.errstate(divide="ignore"):
-        terms = (np.log(masses[part]) - losses[part])[::-1]
-    if seed is None:
-        inclusive = np.logaddexp.accumulate(terms)[::-1]
-    else:
-        inclusive = np.logaddexp.accumulate(np.concatenate([[seed], terms]))[1:][::-1]
-    weighted = np.exp(np.concatenate([inclusive[1:], [-np.inf if seed is None else seed]]) + losses[part])
-    return allowance, weighted, float(inclusive[0])
+    return (allowance, *_log_suffix_sum(masses[part], losses[part], seed))
 
 
 def _answer_floor(above: np.ndarray, losses: np.ndarray, constant: float, delta: float, first_valid: int,
@@ -5228,10 +5221,22 @@ def _weighted_suffix_sum(masses: np.ndarray, losses: np.ndarray, first_valid: in
         reference = losses[first_valid]
         with np.errstate(under="ignore"):
             return _suffix_sum(masses * np.exp(reference - losses)) * np.exp(losses - reference)
-    # very wide windows (epsilon in the hundreds): the same sum in log space
+    return _log_suffix_sum(masses, losses)[0]  # very wide windows (epsilon in the hundreds): in log space
+
+
+def _log_suffix_sum(masses: np.ndarray, losses: np.ndarray, seed: float | None = None) -> tuple[np.ndarray, float]:
+    """``(out, through)``: :func:`_weighted_suffix_sum` in log space, accumulated from the
+    top, continued from ``seed`` (the log of the accumulation over the points above
+    these; None: there are none), so that a window read in parts gives the same values;
+    ``through``: the accumulation through the first point, the seed of the points below."""
     with np.errstate(divide="ignore"):
-        inclusive = np.logaddexp.accumulate((np.log(masses) - losses)[::-1])[::-1]
-    return np.exp(np.concatenate([inclusive[1:], [-np.inf]]) + losses)
+        terms = (np.log(masses) - losses)[::-1]
+    if seed is None:
+        inclusive = np.logaddexp.accumulate(terms)[::-1]
+    else:
+        inclusive = np.logaddexp.accumulate(np.concatenate([[seed], terms]))[1:][::-1]
+    out = np.exp(np.concatenate([inclusive[1:], [-np.inf if seed is None else seed]]) + losses)
+    return out, float(inclusive[0])
 
 
 def _within_bin(excess: float, weighted: float, losses: np.ndarray, k: int) -> float:
