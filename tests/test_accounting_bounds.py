@@ -363,6 +363,28 @@ def test_a_long_run_at_huge_epsilon_is_refined_past_the_largest_automatic_grid()
     assert_bracketed(upper, pld_epsilon_lower_bound(runs, delta, grid_points=2**22), rel=2e-3)
 
 
+def test_past_the_largest_grid_a_direction_far_below_the_other_is_not_composed_again(monkeypatch):
+    # At huge epsilon addition reads 4.1*10^5 on 2^20 points, removal 1.3*10^8: composing
+    # addition on the refinement's 2^22 points too took a third of the call for nothing.
+    runs, delta = ((0.01405, 0.000512, 10**8),), 0.016
+    composed, compose = [], pld_module._compose_direction
+
+    def counted(steps, direction, grid, *args, **kwargs):
+        composed.append((direction, grid.n))
+        return compose(steps, direction, grid, *args, **kwargs)
+
+    monkeypatch.setattr(pld_module, "_compose_direction", counted)
+    pld_module._noted_pld_epsilon.cache_clear()
+    alone = pld_epsilon(runs, delta)
+    assert (pld_module._REMOVE, 2**22) in composed and (pld_module._ADD, 2**22) not in composed
+    monkeypatch.setattr(pld_module, "_PAST_LAST_APART", 0.0)  # both composed, as before
+    pld_module._noted_pld_epsilon.cache_clear()
+    composed.clear()
+    assert pld_epsilon(runs, delta) == alone
+    assert (pld_module._ADD, 2**22) in composed
+    pld_module._noted_pld_epsilon.cache_clear()
+
+
 def test_where_the_refinement_past_the_largest_grid_starts_epsilon_falls_by_a_grid_doubling_at_most():
     # One step more crosses into the refinement (2^20 to 2^21 points): the finer grid's
     # answer is lower by what the two grids' mean shifts differ, 3.4e-4 of epsilon, as
