@@ -1834,8 +1834,7 @@ def _shorter_cut_grid(steps: tuple, delta: float, grid: _Grid, guess: float):
 
 def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: float = 0.0, bound: set | None = None,
                 split: set | None = None, rare_split: bool = True, settle_first: bool = False,
-                uncertified: set | None = None, refine: bool = True, known: dict | None = None, cuts=None,
-                kept: dict | None = None) -> dict:
+                uncertified: set | None = None, refine: bool = True, known=None, cuts=None, kept=None) -> dict:
     """Epsilon of each direction on ``grid``: both composed side by side in float64, then refined
     where rounding decides a direction's answer (:func:`_refined`), unless that direction cannot
     set the reported ``max(remove, add + shift)``. Refining only lowers a value (the smaller of
@@ -1845,23 +1844,18 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
     always: see :data:`_FIRST_SPLIT_SHARE`). Each direction refined is added to ``bound``
     where rounding may still decide it, or to ``split`` where the split of :mod:`.rare`
     alone answered it (with ``rare_split``). ``cuts``: see :func:`_compose_direction`.
-
+    ``kept``: ``{direction: epsilon}`` for one direction, not composed: its value stands.
     ``settle_first`` (the calibration's model, :func:`model_epsilon`): one after the other,
     the other's quickest candidate first (float64 at its own tilt where above the grid's),
     the rest only where still above the larger's final value. The maximum is the same;
     side by side, the other's split could take four times the larger's refinement for
     nothing (q 1.72e-6, 8.2*10^7 steps: 0.9 s, for 0.40 below 0.62). Without ``refine``:
-    the float64 answers ``{direction: (epsilon, rounding decides)}``, for ``known`` later.
-    ``kept``: ``{direction: epsilon}`` for one direction, not composed: its value stands."""
+    the float64 answers ``{direction: (epsilon, rounding decides)}``, for ``known`` later."""
     def compose(direction: str, on: _Grid, dtype) -> tuple[float, bool]:
         return _compose_direction(steps, direction, on, deltas[direction], dtype, mixture=mixture, cuts=cuts)
 
-    together = mixture is None or grid.n > _MIXTURE_APART_POINTS  # (see _both_directions)
-    if kept:
-        (held, value), = kept.items()
-        first = {held: (value, False), _other(held): _first_answer(compose, _other(held), grid, uncertified)}
-    else:
-        first = known or _both_directions(lambda d: _first_answer(compose, d, grid, uncertified), together)
+    together = mixture is None or grid.n > _MIXTURE_APART_POINTS  # (_both_directions)
+    first = known or _first_answers(lambda d: _first_answer(compose, d, grid, uncertified), together, kept)
     if not refine:
         return first
     epsilons = {direction: value for direction, (value, _) in first.items()}
@@ -1898,6 +1892,15 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
             if bound is not None and split is not None and (by_split or binding):
                 (split if by_split else bound).add(direction)
     return epsilons
+
+
+def _first_answers(answer, together: bool, kept: dict | None) -> dict:
+    """``{direction: answer(direction)}`` (:func:`_both_directions`), but a direction in
+    ``kept`` (``{direction: epsilon}``) keeps its epsilon, where rounding does not decide."""
+    if not kept:
+        return _both_directions(answer, together)
+    (held, value), = kept.items()
+    return {held: (value, False), _other(held): answer(_other(held))}
 
 
 def _first_answer(compose, direction: str, grid: _Grid, uncertified: set | None) -> tuple[float, bool]:
