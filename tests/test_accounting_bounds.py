@@ -3436,6 +3436,68 @@ def test_a_wide_cut_that_moves_epsilon_little_is_kept(monkeypatch, steps, delta)
     assert lower <= checked <= 1.01 * lower
 
 
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 64), spacing=st.floats(1e-3, 4.0), low=st.integers(-40, 40), tilt=st.floats(0.0, 3.0),
+       seed=st.integers(0, 2**32 - 1), where=st.floats(-0.2, 1.2),
+       factor=st.one_of(st.floats(0.5, 2.0), st.sampled_from([1 - 2**-12, 1 + 2**-12, 1 + 2**-22])))
+@example(n=1, spacing=1.0, low=0, tilt=0.0, seed=0, where=1.2, factor=1.0)  # nothing above epsilon
+@example(n=40, spacing=0.01, low=-3, tilt=2.0, seed=1, where=0.3, factor=1 + 2**-12)  # just above the profile
+@example(n=40, spacing=0.01, low=-3, tilt=2.0, seed=1, where=0.3, factor=1 - 2**-12)  # ... and just below
+def test_the_profile_is_read_low_and_not_far_below(n, spacing, low, tilt, seed, where, factor):
+    # _cut_move first asks whether the profile without its constant still exceeds delta
+    # a little below the answer: only then did the answer move by less than that.
+    rng = np.random.default_rng(seed)
+    masses = rng.dirichlet(np.ones(n)) * rng.uniform(0.0, 1.0)
+    losses = (low + np.arange(n)) * spacing
+    log_untilt = 1.5 - tilt * losses
+    tilted = masses * np.exp(-log_untilt)
+    epsilon = float(losses[0] + where * (losses[-1] - losses[0] + spacing))
+    above = losses > epsilon
+    exact = math.fsum(tilted[above] * np.exp(log_untilt[above]) * -np.expm1(epsilon - losses[above]))
+    delta = exact * factor if exact > 0.0 else 1e-6
+    read = pld_module._profile_above((tilted, log_untilt, losses), epsilon, delta)
+    if read:
+        assert exact > delta
+    if exact > delta * (1.0 + 2.0**-18):
+        assert read
+
+
+#: Quick ledgers whose cuts moved some answers by less than the probe's share and some
+#: by more (audit draws, seed 21).
+PROBED = [([(0.22343627055885312, 0.04504204376110933, 7)], 0.00017075704135356297),
+          ([(0.6643150256827365, 0.053463489184731046, 7)], 6.027081950159456e-08),
+          ([(0.9394876890266364, 0.036127043219275, 808)], 5.612615794399466e-05),
+          ([(1.2138858022397572, 0.06244112022596617, 592), (4.235862820913669, 5.638695546650763e-06, 1341)],
+           1.314402046677808e-07)]
+
+
+def test_the_cut_move_probe_bounds_the_move_and_keeps_every_answer(monkeypatch):
+    move, probe, records = pld_module._cut_move, pld_module._profile_above, []
+
+    def both(found, profile, delta):
+        quick = move(found, profile, delta)
+        monkeypatch.setattr(pld_module, "_profile_above", lambda *args: False)
+        exact = move(found, profile, delta)
+        monkeypatch.setattr(pld_module, "_profile_above", probe)
+        records.append((quick, exact, found[0]))
+        return quick
+
+    def answers():
+        pld_module._noted_pld_epsilon.cache_clear()
+        return [pld_epsilon(runs, delta) for runs, delta in PROBED]
+
+    monkeypatch.setattr(pld_module, "_cut_move", both)
+    probed = answers()
+    quick = [(q, e, a) for q, e, a in records if q != e]
+    assert quick and len(quick) < len(records)  # the probe answered some, not all
+    for moved, exact, answer in quick:  # an upper bound on the move, below the least share read
+        assert exact < moved <= pld_module._CUT_PROBE * answer * (1 + 1e-12) < pld_module._CUT_SHARE * answer
+    monkeypatch.setattr(pld_module, "_cut_move", move)
+    monkeypatch.setattr(pld_module, "_profile_above", lambda *args: False)  # every move inverted again
+    assert answers() == probed
+    pld_module._noted_pld_epsilon.cache_clear()
+
+
 def test_more_pairs_than_the_split_takes_are_split_grouped_where_a_rare_loss_decides(monkeypatch):
     # 133 pairs of 165 steps at q 1e-4 to 3.6e-5, delta 1.4e-11: a rare loss decides
     # epsilon, where the mixture groups formed by the order-2 proxy are 1.3% loose.
