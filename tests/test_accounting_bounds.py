@@ -3498,6 +3498,28 @@ def test_the_cut_move_probe_bounds_the_move_and_keeps_every_answer(monkeypatch):
     pld_module._noted_pld_epsilon.cache_clear()
 
 
+def test_a_composition_asked_again_is_not_redone_and_answers_the_same(monkeypatch):
+    # The quickest candidate of _quick_first (float64 at a direction's own tilt) is asked
+    # again by _refined; an audit ledger (seed 21) where both directions are refinable.
+    runs = [(0.07095468388378005, 0.011360846486789044, 6810), (0.43264702110864, 0.003492309861943278, 465),
+            (7.136103576913495, 1.0, 2228)]
+    delta, remembered, asked = 3.7489522717273465e-12, pld_module._remembered, []
+
+    def counted(compose):
+        inner = remembered(compose)
+        return lambda direction, on, dtype: asked.append((direction, np.dtype(dtype).str, repr(on))) or inner(
+            direction, on, dtype)
+
+    monkeypatch.setattr(pld_module, "_remembered", counted)
+    pld_module._noted_pld_epsilon.cache_clear()
+    once = pld_epsilon(runs, delta)
+    assert len(set(asked)) < len(asked)  # some composition was asked for twice
+    monkeypatch.setattr(pld_module, "_remembered", lambda compose: compose)  # each asked composed anew
+    pld_module._noted_pld_epsilon.cache_clear()
+    assert pld_epsilon(runs, delta) == once
+    pld_module._noted_pld_epsilon.cache_clear()
+
+
 def test_more_pairs_than_the_split_takes_are_split_grouped_where_a_rare_loss_decides(monkeypatch):
     # 133 pairs of 165 steps at q 1e-4 to 3.6e-5, delta 1.4e-11: a rare loss decides
     # epsilon, where the mixture groups formed by the order-2 proxy are 1.3% loose.
