@@ -3462,13 +3462,35 @@ def test_the_profile_is_read_low_and_not_far_below(n, spacing, low, tilt, seed, 
         assert read
 
 
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(2, 200), spacing=st.floats(1e-3, 2.0), low=st.integers(-50, 50), tilt=st.floats(0.0, 5.0),
+       entry=st.floats(1e-18, 1e-10), norm=st.floats(1e-18, 1e-10), where=st.floats(-0.5, 1.5))
+def test_the_allowance_at_a_probe_is_its_bins_lower_points_read_low(n, spacing, low, tilt, entry, norm, where):
+    # The inversion reads the bin (l_{k-1}, l_k] with the allowance at l_{k-1}, which falls with k.
+    losses = (low + np.arange(n)) * spacing
+    log_untilt = 3.0 - tilt * losses
+    profile = (np.ones(n) / n, log_untilt, losses, (entry, norm))
+    epsilon = float(losses[0] + where * (losses[-1] - losses[0]))
+    every = pld_module._allowances((entry, norm), log_untilt, tilt * spacing, (n - 1.0 - np.arange(n)))
+    k = int(np.searchsorted(losses, epsilon, side="right")) - 1
+    read = pld_module._allowance_at(profile, epsilon)
+    if k < 0:
+        assert read == 0.0
+    else:
+        assert every[k] * (1 - 2e-6) <= read <= every[k]
+
+
 #: Quick ledgers whose cuts moved some answers by less than the probe's share and some
 #: by more (audit draws, seed 21).
 PROBED = [([(0.22343627055885312, 0.04504204376110933, 7)], 0.00017075704135356297),
           ([(0.6643150256827365, 0.053463489184731046, 7)], 6.027081950159456e-08),
           ([(0.9394876890266364, 0.036127043219275, 808)], 5.612615794399466e-05),
           ([(1.2138858022397572, 0.06244112022596617, 592), (4.235862820913669, 5.638695546650763e-06, 1341)],
-           1.314402046677808e-07)]
+           1.314402046677808e-07),
+          ([(0.7183665230711598, 0.9081053986374008, 2517), (8.266042885133936, 0.9171377373801842, 584),
+            (0.6371972887650201, 0.01189720936776572, 505), (8.279181478744322, 0.9861661888299877, 769),
+            (0.05806408565886924, 0.9525645070477818, 1444), (5.080326564516348, 0.0009905290951558116, 7),
+            (0.12123390411654125, 1.0, 4)], 1.107000967168646e-12)]  # (rounding decides some answers)
 
 
 def test_the_cut_move_probe_bounds_the_move_and_keeps_every_answer(monkeypatch):
@@ -3479,7 +3501,7 @@ def test_the_cut_move_probe_bounds_the_move_and_keeps_every_answer(monkeypatch):
         monkeypatch.setattr(pld_module, "_profile_above", lambda *args: False)
         exact = move(found, profile, delta)
         monkeypatch.setattr(pld_module, "_profile_above", probe)
-        records.append((quick, exact, found[0]))
+        records.append((quick, exact, found[0], found[1]))
         return quick
 
     def answers():
@@ -3488,10 +3510,12 @@ def test_the_cut_move_probe_bounds_the_move_and_keeps_every_answer(monkeypatch):
 
     monkeypatch.setattr(pld_module, "_cut_move", both)
     probed = answers()
-    quick = [(q, e, a) for q, e, a in records if q != e]
+    quick = [record for record in records if record[0] != record[1]]
     assert quick and len(quick) < len(records)  # the probe answered some, not all
-    for moved, exact, answer in quick:  # an upper bound on the move, below the least share read
-        assert exact < moved <= pld_module._CUT_PROBE * answer * (1 + 1e-12) < pld_module._CUT_SHARE * answer
+    assert any(binding for *_, binding in quick)  # ... among them answers that rounding decides
+    for moved, exact, answer, binding in quick:  # an upper bound on the move, below the least share read
+        share = pld_module._CUT_PROBE_BOUND if binding else pld_module._CUT_PROBE
+        assert exact < moved <= share * answer * (1 + 1e-9) < pld_module._CUT_SHARE * answer
     monkeypatch.setattr(pld_module, "_cut_move", move)
     monkeypatch.setattr(pld_module, "_profile_above", lambda *args: False)  # every move inverted again
     assert answers() == probed
