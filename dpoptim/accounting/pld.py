@@ -1911,7 +1911,8 @@ def _remembered(compose):
 
 def _first_answers(answer, together: bool, kept: dict | None) -> dict:
     """``{direction: answer(direction)}`` (:func:`_both_directions`), but a direction in
-    ``kept`` (``{direction: epsilon}``) keeps its epsilon, where rounding does not decide."""
+    ``kept`` (``{direction: epsilon}``) keeps its epsilon, marked as not decided by
+    rounding (so it is not refined)."""
     if not kept:
         return _both_directions(answer, together)
     (held, value), = kept.items()
@@ -5402,8 +5403,8 @@ def _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, fir
     spacing = float(losses[-1] - losses[first_valid]) / max(size - 1, 1)
     start, reference = float(log_untilt[first_valid]), float(losses[first_valid])
     valid = tilted[first_valid:]  # m_j and m_j e^{r - l_j}:
-    (above, depth, lost), (discounted, deeper, lower) = (_suffix_reader(valid, start, rate)
-                                                         for rate in (slope, slope - spacing))
+    (above, depth, lost), (discounted, deeper, dropped) = (_suffix_reader(valid, start, rate)
+                                                           for rate in (slope, slope - spacing))
     decay = float(log_untilt[0] - log_untilt[1])  # tilt * spacing
     reach = max(abs(start), abs(start + slope * (size - 1)), abs(start + (slope - spacing) * (size - 1)),
                 spacing * (size - 1))  # the largest exponent
@@ -5412,7 +5413,7 @@ def _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, fir
     def terms(k: int) -> tuple[float, float, float]:
         """(allowance, A_k, e^{l_k} W_k) at grid point k, A rounded up and W down."""
         allowance = float(_allowances(noise, np.array([log_untilt[k]]), decay, np.array([n - 1.0 - k]))[0])
-        weighted_k = math.exp(float(losses[k]) - reference) * max(discounted(k - first_valid) - lower, 0.0)
+        weighted_k = math.exp(float(losses[k]) - reference) * max(discounted(k - first_valid) - dropped, 0.0)
         return allowance, above(k - first_valid) * (1.0 + summing) + lost, weighted_k * (1.0 - summing)
 
     def profile(k: int) -> float:
@@ -5450,8 +5451,8 @@ def _suffix_reader(tilted: np.ndarray, start: float, slope: float) -> tuple:
     own block. The same exponentials and at most ``depth`` (``B + blocks``) sums deep, as
     :func:`_exp_linear` and a sequential pass would be; at 2^20 points 0.5 ms instead of
     5 ms for the products. ``lost`` bounds what the reading errs by beyond that relative
-    rounding: a block factor, product or sum that is subnormal errs by up to 2^-1074 of
-    itself, times the block's sum where it scales one."""
+    rounding: a block factor, product or sum that is subnormal errs by up to 2^-1074,
+    times the block's sum where it scales one."""
     size = tilted.size
     length = _block_length(slope, _SUFFIX_BLOCK)
     blocks, whole = -(-size // length), size // length * length
