@@ -4342,7 +4342,7 @@ def _allowance_at(profile: tuple, epsilon: float) -> float:
     if k < 0 or losses.size < 2:
         return 0.0
     decay = float(log_untilt[0] - log_untilt[1])
-    value = float(_allowances(noise, log_untilt[k:k + 1], decay, np.array([losses.size - 1.0 - k]))[0])
+    value = _allowance_point(noise, log_untilt, decay, k)
     return value * (1.0 - 1e-6) if value == value else 0.0
 
 
@@ -5139,6 +5139,11 @@ def _allowances(noise: tuple[float, float], log_untilt, decay: float, remaining)
         return factor * np.fmin(entry * ones, norm * np.sqrt(squares))
 
 
+def _allowance_point(noise: tuple[float, float], log_untilt: np.ndarray, decay: float, k: int) -> float:
+    """:func:`_allowances` at the one grid point ``k`` of ``log_untilt`` (the last is ``size - 1``)."""
+    return float(_allowances(noise, log_untilt[k:k + 1], decay, np.array([log_untilt.size - 1.0 - k]))[0])
+
+
 def _polar(log_modulus: np.ndarray, angle: np.ndarray) -> np.ndarray:
     """``exp(log_modulus + i angle)``: the product of the steps' powers, composed as the sum
     of their logarithms (one complex exponential in all, not one per step).
@@ -5212,7 +5217,7 @@ def _invert_wide(tilted, log_untilt, losses, constant, noise, delta, first_valid
     summing = (4.0 * n + 4.0 * reach + 16.0) * _U  # each sum within its rounding bound: A up, W down
     above = _suffix_sum(masses)
     start = _answer_floor(above, losses, constant, delta, first_valid,
-                          lambda i: float(_allowances(noise, log_untilt[i:i + 1], decay, np.array([n - 1.0 - i]))[0]))
+                          lambda i: _allowance_point(noise, log_untilt, decay, i))
     above = above * (1.0 + summing)
     allowance, weighted, seed = _wide_terms(masses, log_untilt, losses, noise, decay, start, n, None)
     weighted = weighted * (1.0 - summing)
@@ -5412,7 +5417,7 @@ def _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, fir
 
     def terms(k: int) -> tuple[float, float, float]:
         """(allowance, A_k, e^{l_k} W_k) at grid point k, A rounded up and W down."""
-        allowance = float(_allowances(noise, np.array([log_untilt[k]]), decay, np.array([n - 1.0 - k]))[0])
+        allowance = _allowance_point(noise, log_untilt, decay, k)
         weighted_k = math.exp(float(losses[k]) - reference) * max(discounted(k - first_valid) - dropped, 0.0)
         return allowance, above(k - first_valid) * (1.0 + summing) + lost, weighted_k * (1.0 - summing)
 
