@@ -17,20 +17,24 @@ from dpoptim.accounting import pld as pld_module
 
 @settings(max_examples=60, deadline=None)
 @given(size=st.integers(0, 3000), block=st.sampled_from([1, 3, 64, 1024]), seed=st.integers(0, 2**32 - 1),
-       start=st.floats(-50.0, 300.0), slope=st.one_of(st.just(0.0), st.floats(-1.0, 0.0)))
-@example(size=0, block=64, seed=0, start=0.0, slope=0.0)
-@example(size=1, block=64, seed=0, start=0.0, slope=0.0)
-@example(size=2048, block=1024, seed=1, start=0.0, slope=0.0)  # whole blocks only
-@example(size=2439, block=1024, seed=1, start=51.0, slope=-0.875)  # within-block factors would be subnormal
-def test_suffix_reader_sums_what_lies_above_each_index(size, block, seed, start, slope):
+       start=st.floats(-50.0, 300.0), slope=st.one_of(st.just(0.0), st.floats(-1.0, 0.0)),
+       discount=st.one_of(st.just(0.0), st.floats(0.0, 3.0)))
+@example(size=0, block=64, seed=0, start=0.0, slope=0.0, discount=0.0)
+@example(size=1, block=64, seed=0, start=0.0, slope=0.0, discount=0.0)
+@example(size=2048, block=1024, seed=1, start=0.0, slope=0.0, discount=0.0)  # whole blocks only
+@example(size=2439, block=1024, seed=1, start=51.0, slope=-0.875, discount=0.0)  # within-block factors subnormal
+@example(size=3000, block=64, seed=2, start=300.0, slope=-0.5, discount=2.0)  # a window thousands wide
+@example(size=3000, block=3, seed=3, start=-20.0, slope=0.0, discount=0.3)  # blocks far above left out
+def test_suffix_reader_sums_what_lies_above_each_index(size, block, seed, start, slope, discount):
     tilted = np.random.default_rng(seed).exponential(size=size) ** 3  # (nonnegative, spread over decades)
-    terms = [_term(float(t), start + slope * j) for j, t in enumerate(tilted)]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(pld_module, "_SUFFIX_BLOCK", block)
-        read, _, lost = pld_module._suffix_reader(tilted, start, slope)
+        read, _, lost = pld_module._suffix_reader(tilted, start, slope, discount)
     assert 0.0 < lost < 1e-300
     for i in sorted({0, block - 1, block, size // 3, size // 2, size - 2, size - 1} & set(range(size))):
-        exact = math.fsum(terms[i + 1:])
+        # each term discounted from i: e^{start + slope j - discount (j - i)}
+        exact = math.fsum(_term(float(t), start + slope * j - discount * (j - i)) for j, t in enumerate(tilted)
+                          if j > i)
         # the reader's own bound, and half a subnormal unit for each of the oracle's terms
         assert abs(read(i) - exact) <= 1e-12 * exact + lost + 2.0**-1075 * size, (read(i), exact)
 

@@ -161,26 +161,60 @@ def test_an_answer_at_its_own_windows_bottom_is_not_refined(monkeypatch):
     assert reported <= epsilon_of_ledger(runs, 1.3e-10, accountant="rdp")
 
 
-def test_a_wide_profile_read_from_its_floor_gives_the_whole_windows_answer(monkeypatch):
-    # A profile spanning 600 or more of loss is read from a point below which none is
-    # certified (pld._answer_floor); where rounding may decide, the points below are
-    # accumulated on from there. Every answer is the whole window's to the last bit, and
-    # a floor 2^12 points too high changes them.
+def test_a_wide_profile_is_read_at_a_few_points_as_the_whole_window_reads_it(monkeypatch):
+    # A profile spanning 600 or more of loss (epsilon in the hundreds and more) is read by
+    # bisection at a few dozen points, each weighted sum discounted from the point read
+    # (pld._suffix_reader). Its answer is the one the whole window gives, every point's
+    # sums formed in extended precision and the weighted ones in log space.
     ledgers = [([(0.5, 0.2, 10_000)], 1e-10), ([(0.05, 0.001, 10**6)], 1e-9), ([(1.0, 0.5, 100_000)], 1e-12),
-               ([(0.6, 0.05, 100_000), (0.3, 0.01, 1000)], 1e-8)]
-    floors, seeded = [], []
-    floor, terms = pld_module._answer_floor, pld_module._wide_terms
-    monkeypatch.setattr(pld_module, "_answer_floor", lambda *a: floors.append((floor(*a), a[4])) or floors[-1][0])
-    monkeypatch.setattr(pld_module, "_wide_terms", lambda *a: seeded.append(a[7] is not None) or terms(*a))
+               ([(0.6, 0.05, 100_000), (0.3, 0.01, 1000)], 1e-8), ([(0.02, 6.7e-4, 10**8)], 9.2e-5)]
+    inverted, reads = [], []
+    invert, reader = pld_module._invert_profile, pld_module._suffix_reader
 
-    def answers():
-        pld_module._noted_pld_epsilon.cache_clear()
-        return [pld_epsilon(runs, delta) for runs, delta in ledgers]
+    def recording(*args, **kwargs):
+        found = invert(*args, **kwargs)
+        if not kwargs.get("lower", False):
+            inverted.append((args, found, len(reads)))
+        return found
 
-    read = answers()
-    assert all(start > first for start, first in floors) and any(seeded)
-    monkeypatch.setattr(pld_module, "_answer_floor", lambda *a: a[4])  # the first valid point: the whole window
-    assert answers() == read
-    monkeypatch.setattr(pld_module, "_answer_floor", lambda *a: floor(*a) + 2 ** 12)
-    assert answers() != read
+    def counting(*args):
+        read, depth, lost = reader(*args)
+        return (lambda i: reads.append(i) or read(i)), depth, lost
+
+    monkeypatch.setattr(pld_module, "_invert_profile", recording)
+    monkeypatch.setattr(pld_module, "_suffix_reader", counting)
     pld_module._noted_pld_epsilon.cache_clear()
+    for runs, delta in ledgers:
+        pld_epsilon(runs, delta)
+    pld_module._noted_pld_epsilon.cache_clear()
+    wide, before = [], 0
+    for args, found, count in inverted:
+        losses = args[2]
+        if losses[-1] - losses[np.argmax(args[1] <= 300.0)] >= 600.0 and math.isfinite(found[0]):
+            wide.append((args, found[0], count - before))
+        before = count
+    assert len(wide) >= 5
+    for (tilted, log_untilt, losses, constant, noise, delta), answer, count in wide:
+        assert count <= 4 * math.log2(losses.size) + 8  # (a few reads a bisection step, two readers)
+        whole = _whole_window_answer(tilted, log_untilt, losses, constant, noise, delta)
+        assert whole <= answer <= whole + 1e-9 * abs(whole) + 1e-12, (answer, whole)
+
+
+def _whole_window_answer(tilted, log_untilt, losses, constant, noise, delta) -> float:
+    """The first grid point whose profile is at most delta, read within its bin, with every
+    point's suffix sums formed in extended precision (no rounding bound added)."""
+    valid = log_untilt <= 300.0
+    first = int(np.argmax(valid))
+    masses = np.where(valid, tilted.astype(np.longdouble) * np.exp(np.minimum(log_untilt, 300.0).astype(np.longdouble)),
+                      0.0)
+    above = np.concatenate([np.cumsum(masses[::-1])[::-1][1:], [0.0]])
+    with np.errstate(divide="ignore"):
+        inclusive = np.logaddexp.accumulate((np.log(masses) - losses)[::-1])[::-1]
+    weighted = np.exp(np.concatenate([inclusive[1:], [-np.inf]]) + losses)
+    decay = float(log_untilt[0] - log_untilt[1])
+    allowance = pld_module._allowances(noise, log_untilt, decay, (losses.size - 1 - np.arange(losses.size)).astype(float))
+    profile = constant + allowance + np.maximum(above - weighted, 0.0)
+    profile[: first + 1] = np.inf
+    k = int(np.argmax(profile <= delta))
+    excess = float(constant + allowance[k - 1] + above[k - 1] - delta)
+    return float(min(max(losses[k - 1] + math.log(excess / float(weighted[k - 1])), losses[k - 1]), losses[k]))

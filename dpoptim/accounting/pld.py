@@ -5174,7 +5174,6 @@ def _invert_profile(tilted, log_untilt, losses, constant, noise, delta, lower: b
     k, so the first grid point where it is at most ``delta`` brackets the answer. For
     the upper bound ``A`` is rounded up and ``B`` down by a bound on the sums' rounding
     and their terms' (:func:`_invert_by_bisection`), which the difference may magnify.
-    The upper bound is :func:`_invert_wide`'s where the window spans 600 or more of loss.
     """
     n = losses.size
     # Entries whose untilting factor would overflow sit far below the answer (a mass
@@ -5184,10 +5183,8 @@ def _invert_profile(tilted, log_untilt, losses, constant, noise, delta, lower: b
     if not valid.any():  # no certificate: no upper bound, and 0 as a lower one
         return (0.0, False) if lower else (math.inf, _UNTILTABLE)
     first_valid = int(np.argmax(valid))  # log_untilt is non-increasing in k
-    if not lower and losses[-1] - losses[first_valid] < 600.0:
-        return _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, first_valid)
     if not lower:
-        return _invert_wide(tilted, log_untilt, losses, constant, noise, delta, first_valid)
+        return _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, first_valid)
     decay = float(log_untilt[0] - log_untilt[1])  # tilt * spacing
     remaining = (n - 1 - np.arange(n)).astype(float)
     # Each entry is at least its computed value less its rounding bound (and >= 0): the
@@ -5199,98 +5196,6 @@ def _invert_profile(tilted, log_untilt, losses, constant, noise, delta, lower: b
     with np.errstate(over="ignore", invalid="ignore"):
         profile = constant + np.maximum(above - weighted, 0.0)
     return _lower_answer(profile, allowance, above, weighted, losses, constant, delta)
-
-
-def _invert_wide(tilted, log_untilt, losses, constant, noise, delta, first_valid: int) -> tuple[float, bool]:
-    """:func:`_invert_profile`'s upper bound where the window spans 600 or more of loss, read
-    from :func:`_answer_floor` on: below it no point is certified, and the suffix sums,
-    accumulated from the top, are the same there as over the whole window (the answer
-    is the same to the last bit). Where rounding may decide the answer, the terms below
-    are accumulated on from there too, as that test (:func:`_rounding_may_lower`) reads
-    from the first valid point. At 2^22 points (sigma 0.061 at q 8.5e-4 over 10^8 steps,
-    epsilon 1.1*10^7) reading the whole window took most of the second spent."""
-    n = losses.size
-    decay = float(log_untilt[0] - log_untilt[1])  # tilt * spacing
-    masses = np.where(log_untilt <= 300.0, tilted * np.exp(np.minimum(log_untilt, 300.0)), 0.0)
-    reach = max(abs(float(log_untilt[first_valid])), abs(float(log_untilt[-1])),
-                float(losses[-1] - losses[first_valid]), abs(float(losses[first_valid])), abs(float(losses[-1])))
-    summing = (4.0 * n + 4.0 * reach + 16.0) * _U  # each sum within its rounding bound: A up, W down
-    above = _suffix_sum(masses)
-    start = _answer_floor(above, losses, constant, delta, first_valid,
-                          lambda i: _allowance_point(noise, log_untilt, decay, i))
-    above = above * (1.0 + summing)
-    allowance, weighted, seed = _wide_terms(masses, log_untilt, losses, noise, decay, start, n, None)
-    weighted = weighted * (1.0 - summing)
-    with np.errstate(over="ignore", invalid="ignore"):
-        profile = constant + allowance + np.maximum(above[start:] - weighted, 0.0)
-    profile[: max(first_valid - start, 0) + 1] = np.inf
-    profile[np.isnan(profile)] = np.inf
-    certified = np.flatnonzero(profile <= delta)
-    if certified.size == 0:
-        return math.inf, True
-    k = int(certified[0]) + start
-    excess = constant + allowance[k - 1 - start] + above[k - 1] - delta
-    answer = _within_bin(excess, float(weighted[k - 1 - start]), losses, k)
-    if not allowance[k - 1 - start] > delta / 100.0:
-        return answer, False
-    if start > 0:  # the rest of the window, accumulated on from the part read
-        lower, below, _ = _wide_terms(masses, log_untilt, losses, noise, decay, 0, start, seed)
-        allowance, weighted = np.concatenate([lower, allowance]), np.concatenate([below * (1.0 - summing), weighted])
-    span = slice(first_valid + 1, k + 1)
-    return answer, _rounding_may_lower(answer, above[span], weighted[span], allowance[span], losses[span], delta)
-
-
-def _wide_terms(masses, log_untilt, losses, noise, decay: float, first: int, last: int, seed) -> tuple:
-    """``(allowance, weighted, accumulated)`` of :func:`_invert_wide` at the points ``first``
-    to ``last - 1``: each point's rounding allowance (:func:`_allowances`), and the weighted
-    suffix sum with the accumulation through ``first`` (:func:`_log_suffix_sum`, from
-    ``seed``)."""
-    part = slice(first, last)
-    allowance = _allowances(noise, log_untilt[part], decay, (losses.size - 1 - np.arange(first, last)).astype(float))
-    return (allowance, *_log_suffix_sum(masses[part], losses[part], seed))
-
-
-def _answer_floor(above: np.ndarray, losses: np.ndarray, constant: float, delta: float, first_valid: int,
-                  allowance) -> int:
-    r"""A grid point, at least ``first_valid``, at and below which :func:`_invert_wide`
-    certifies none (``above``: the suffix sums :math:`\sum_{j > k} m_j` of the computed
-    masses; ``allowance(i)``: the rounding allowance at point i).
-
-    The exact masses are at least 0, and the entries at least ``m`` points above a point
-    k lie at least :math:`m h` above :math:`l_k`, so the exact profile there is at least
-    :math:`c + (1 - e^{-m h}) S_{k+m-1}`, :math:`S_i` the exact mass above point i, which
-    does not increase with i. The computed profile adds the allowance at k, which bounds
-    the masses' rounding above k, so it is at least that too. With :math:`S_i` at least
-    the computed sum less the allowance at i (and a margin of 10^-6 for the sum's own
-    rounding), one point L where :math:`c + (1 - e^{-m h}) (\hat S_{L+m-1} - a_{L+m-1})
-    > \delta` shows no point up to L is certified. L is the last point the computed sums
-    alone put above delta; where the allowance spoils it, the first valid point (the
-    whole window is read). ``m`` spans :data:`_FLOOR_REACH` of loss: only the reading's
-    cost depends on it."""
-    spacing = float(losses[1] - losses[0])
-    m = max(1, math.ceil(_FLOOR_REACH / spacing))
-    if m >= above.size:
-        return first_valid
-    share = -math.expm1(-m * spacing) * (1.0 - 1e-6)
-    bound = constant + share * above[m - 1:]
-    for margin in _FLOOR_MARGINS:  # the last point over delta times each margin, the first certain one
-        over = bound > delta * margin
-        last = over.size - 1 if over.all() else int(np.argmin(over)) - 1  # the points before the first not over
-        if last <= first_valid:
-            return first_valid
-        if constant + share * (float(above[last + m - 1]) - allowance(last + m - 1)) > delta * (1.0 + 1e-6):
-            return last
-    return first_valid
-
-
-#: The loss :func:`_answer_floor` looks above each point.
-_FLOOR_REACH = 4.0
-
-#: The margins over delta at which :func:`_answer_floor` tries a point, until the
-#: allowance there leaves it certain: where rounding decides the answer (float64 at
-#: 2^22 points), the allowance near the answer is a share of delta, and it grows
-#: towards the window's bottom with the tilt.
-_FLOOR_MARGINS = (1.0 + 1e-6, 2.0, 16.0, 2.0**10, 2.0**20)
 
 
 def _lowered_masses(tilted: np.ndarray, log_untilt: np.ndarray, noise: tuple) -> np.ndarray:
@@ -5319,22 +5224,9 @@ def _weighted_suffix_sum(masses: np.ndarray, losses: np.ndarray, first_valid: in
         reference = losses[first_valid]
         with np.errstate(under="ignore"):
             return _suffix_sum(masses * np.exp(reference - losses)) * np.exp(losses - reference)
-    return _log_suffix_sum(masses, losses)[0]  # very wide windows (epsilon in the hundreds): in log space
-
-
-def _log_suffix_sum(masses: np.ndarray, losses: np.ndarray, seed: float | None = None) -> tuple[np.ndarray, float]:
-    """``(out, through)``: :func:`_weighted_suffix_sum` in log space, accumulated from the
-    top, continued from ``seed`` (the log of the accumulation over the points above
-    these; None: there are none), so that a window read in parts gives the same values;
-    ``through``: the accumulation through the first point, the seed of the points below."""
-    with np.errstate(divide="ignore"):
-        terms = (np.log(masses) - losses)[::-1]
-    if seed is None:
-        inclusive = np.logaddexp.accumulate(terms)[::-1]
-    else:
-        inclusive = np.logaddexp.accumulate(np.concatenate([[seed], terms]))[1:][::-1]
-    out = np.exp(np.concatenate([inclusive[1:], [-np.inf if seed is None else seed]]) + losses)
-    return out, float(inclusive[0])
+    with np.errstate(divide="ignore"):  # very wide windows (epsilon in the hundreds): in log space
+        inclusive = np.logaddexp.accumulate((np.log(masses) - losses)[::-1])[::-1]
+    return np.exp(np.concatenate([inclusive[1:], [-np.inf]]) + losses)
 
 
 def _within_bin(excess: float, weighted: float, losses: np.ndarray, k: int) -> float:
@@ -5389,36 +5281,37 @@ def _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, fir
     r""":func:`_invert_profile` for the upper bound, reading the profile at ``O(log n)``
     grid points instead of all ``n``.
 
-    The profile is :math:`c + \text{allowance}_k + A_k - e^{l_k - r} W_k` with suffix
-    sums :math:`A_k = \sum_{j > k} m_j` and :math:`W_k = \sum_{j > k} m_j e^{r - l_j}`
-    (``r`` the lowest valid loss, so no exponent is positive), read at each point the
-    bisection asks from sums over blocks (:func:`_suffix_reader`): the masses and their
-    full suffix sums (13 ms each at 2^20 points, against 0.5 ms) took a fifth of a
-    calibration near epsilon's zero. ``A`` is rounded up and ``W`` down by a bound on
-    their rounding: :math:`(d + 1) u` for a summation tree of depth ``d`` (Higham 2002,
-    Sec. 4.2), and about ``|x| u`` for each exponential of an argument ``x`` that builds
-    a term (two per term, the discounted ones a third; each argument at most twice the
-    largest exponent). The bisection keeps a point certified at most ``delta`` as its
-    upper end, so the answer is certified.
+    The profile is :math:`c + \text{allowance}_k + A_k - W_k` with suffix sums
+    :math:`A_k = \sum_{j > k} m_j` and :math:`W_k = \sum_{j > k} m_j e^{l_k - l_j}`, read
+    at each point the bisection asks from sums over blocks (:func:`_suffix_reader`, ``W``
+    discounted from the point read, so no factor grows however wide the window): the
+    masses and their full suffix sums (13 ms each at 2^20 points, against 0.5 ms) took a
+    fifth of a calibration near epsilon's zero, and at huge epsilon (windows thousands
+    wide, read in log space) a third of a composition on 2^22 points. ``A`` is rounded
+    up and ``W`` down by a bound on their rounding: :math:`(d + 1) u` for a summation
+    tree of depth ``d`` (Higham 2002, Sec. 4.2), and about ``|x| u`` for each
+    exponential of an argument ``x`` that builds a term (two per term, the discounted
+    ones a third; each argument at most twice the largest exponent). The bisection keeps
+    a point certified at most ``delta`` as its upper end, so the answer is certified.
     """
     n = losses.size
     # log_untilt and the losses are linear in k: their exponentials come in blocks (_suffix_reader).
     size = n - first_valid
     slope = float(log_untilt[-1] - log_untilt[first_valid]) / max(size - 1, 1)  # -tilt * spacing
     spacing = float(losses[-1] - losses[first_valid]) / max(size - 1, 1)
-    start, reference = float(log_untilt[first_valid]), float(losses[first_valid])
-    valid = tilted[first_valid:]  # m_j and m_j e^{r - l_j}:
-    (above, depth, lost), (discounted, deeper, dropped) = (_suffix_reader(valid, start, rate)
-                                                           for rate in (slope, slope - spacing))
+    start = float(log_untilt[first_valid])
+    valid = tilted[first_valid:]  # m_j, and m_j e^{l_k - l_j} read at k:
+    (above, depth, lost), (discounted, deeper, dropped) = (_suffix_reader(valid, start, slope, discount)
+                                                           for discount in (0.0, spacing))
     decay = float(log_untilt[0] - log_untilt[1])  # tilt * spacing
     reach = max(abs(start), abs(start + slope * (size - 1)), abs(start + (slope - spacing) * (size - 1)),
                 spacing * (size - 1))  # the largest exponent
     summing = (max(depth, deeper) + 4.0 * reach + 16.0) * _U  # sums, exponents, products
 
     def terms(k: int) -> tuple[float, float, float]:
-        """(allowance, A_k, e^{l_k} W_k) at grid point k, A rounded up and W down."""
+        """(allowance, A_k, W_k) at grid point k, A rounded up and W down."""
         allowance = _allowance_point(noise, log_untilt, decay, k)
-        weighted_k = math.exp(float(losses[k]) - reference) * max(discounted(k - first_valid) - dropped, 0.0)
+        weighted_k = max(discounted(k - first_valid) - dropped, 0.0)
         return allowance, above(k - first_valid) * (1.0 + summing) + lost, weighted_k * (1.0 - summing)
 
     def profile(k: int) -> float:
@@ -5440,47 +5333,53 @@ def _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, fir
     if not allowance > delta / 100.0:
         return answer, False
     span, inner = np.arange(first_valid + 1, high + 1), slice(1, high + 1 - first_valid)
-    masses, weighted = (valid * _exp_linear(start, rate, size) for rate in (slope, slope - spacing))
+    masses = valid * _exp_linear(start, slope, size)
     return answer, _rounding_may_lower(answer, _suffix_sum(masses)[inner],
-                                       np.exp(losses[span] - reference) * _suffix_sum(weighted)[inner],
+                                       _weighted_suffix_sum(masses, losses[first_valid:], 0)[inner],
                                        _allowances(noise, log_untilt[span], decay, n - 1.0 - span), losses[span], delta)
 
 
-def _suffix_reader(tilted: np.ndarray, start: float, slope: float) -> tuple:
+def _suffix_reader(tilted: np.ndarray, start: float, slope: float, discount: float = 0.0) -> tuple:
     """``(read, depth, lost)``: ``read(i)`` returns the sum over ``j > i`` of ``tilted[j]
-    e^{start + slope j}`` (``start <= 300``, ``slope <= 0``), without forming those terms:
-    each block of at most :data:`_SUFFIX_BLOCK` entries (:func:`_block_length`) is one sum
-    of products with ``e^{slope i}`` within the block (``einsum``: no BLAS threads, no
-    temporary array) scaled by the block's ``e^{start + slope B b}``, and a reading adds
-    the blocks above ``i``'s (a suffix sum over blocks) to what lies above ``i`` in its
-    own block. The same exponentials and at most ``depth`` (``B + blocks``) sums deep, as
-    :func:`_exp_linear` and a sequential pass would be; at 2^20 points 0.5 ms instead of
-    5 ms for the products. ``lost`` bounds what the reading errs by beyond that relative
-    rounding: a block factor, product or sum that is subnormal errs by up to 2^-1074,
-    times the block's sum where it scales one."""
+    e^{start + slope j - discount (j - i)}`` (``start <= 300``, ``slope <= 0``,
+    ``discount >= 0``), without forming those terms and with no factor above
+    ``e^{start}``, however far apart ``i`` and ``j`` lie. Each block of at most
+    :data:`_SUFFIX_BLOCK` entries (:func:`_block_length`) is one sum of products with
+    ``e^{(slope - discount) k}`` within the block (``einsum``: no BLAS threads, no
+    temporary array). A reading scales what lies above ``i`` in its own block by
+    ``e^{start + slope (i + 1) - discount}``, and each block above by its first entry's
+    factor: blocks whose factor underflows are left out. The same exponentials and at
+    most ``depth`` (``B + blocks + 2``) sums deep, as :func:`_exp_linear` and a
+    sequential pass would be; at 2^20 points 0.5 ms instead of 5 ms for the products.
+    ``lost`` bounds what the reading errs by beyond that relative rounding: a factor,
+    product or sum that is subnormal (or a term left out, below 2^-1100 of its block's
+    sum) errs by up to 2^-1074, times the block's sum where it scales one."""
     size = tilted.size
-    length = _block_length(slope, _SUFFIX_BLOCK)
+    rate = slope - discount
+    length = _block_length(rate, _SUFFIX_BLOCK)
     blocks, whole = -(-size // length), size // length * length
     with np.errstate(under="ignore"):
-        inner = np.exp(slope * np.arange(length))
-        outer = np.exp(start + (slope * length) * np.arange(blocks))
+        inner = np.exp(rate * np.arange(length))
     totals = np.empty(blocks)
     totals[: whole // length] = np.einsum("ij,j->i", tilted[:whole].reshape(-1, length), inner)
     if whole < size:
         totals[-1] = np.einsum("i,i->", tilted[whole:], inner[: size - whole])
-    with np.errstate(under="ignore"):
-        beyond = _suffix_sum(totals * outer)  # beyond[b]: the blocks above block b
-    lost = 2.0**-1072 * (float(np.sum(totals)) + blocks + 2.0)
+    bases = np.arange(blocks) * float(length)
+    lost = 2.0**-1072 * (float(np.sum(tilted)) + blocks + 2.0)
+    # a block's factor is at most e^{start + rate (base - i)}: below e^{-800} beyond this many entries
+    reach = min((start + 800.0) / -rate, float(size)) if rate < 0.0 else float(size)
 
     def read(i: int) -> float:
-        block, first = divmod(i + 1, length)
-        if first == 0:  # (i is the last of its block)
-            return float(beyond[block - 1])
-        base, stop = block * length, min(length, size - block * length)
-        part = np.einsum("i,i->", tilted[base + first: base + stop], inner[first:stop])
-        return float(part * outer[block] + beyond[block])
+        first = i + 1
+        block = first // length
+        stop = min((block + 1) * length, size)
+        later = slice(block + 1, min(blocks, int((i + reach) // length) + 1))
+        part = float(np.einsum("i,i->", tilted[first:stop], inner[: stop - first]))
+        with np.errstate(under="ignore"):
+            rest = float(np.exp(start + slope * bases[later] - discount * (bases[later] - i)) @ totals[later])
+        return part * math.exp(start + slope * first - discount) + rest
 
-    return read, length + size / length, lost
+    return read, length + blocks + 2.0, lost
 
 
 def _block_length(slope: float, longest: int) -> int:
