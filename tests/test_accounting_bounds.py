@@ -385,6 +385,39 @@ def test_past_the_largest_grid_a_direction_far_below_the_other_is_not_composed_a
     pld_module._noted_pld_epsilon.cache_clear()
 
 
+def test_no_direction_is_refined_where_another_reported_bound_lies_below_its_floor(monkeypatch):
+    # At q 0.72 over 10^8 steps the RDP and mixture bounds lie below the PLD's answers,
+    # and below what any refinement on the grid could certify (pld._past_ceiling): the
+    # two float64 compositions answer, with the epsilon that refining them gives. Where
+    # the floor lies below the reported value (sigma 0.103 at q 2.2e-6, epsilon 11,301),
+    # an answer rounding decides is still refined in extended precision.
+    composed, compose = [], pld_module._compose_direction
+
+    def counted(steps, direction, grid, delta, dtype, *args, **kwargs):
+        found = compose(steps, direction, grid, delta, dtype, *args, **kwargs)
+        composed.append((np.dtype(dtype), found[0]))
+        return found
+
+    def answer(runs, delta):
+        pld_module._noted_pld_epsilon.cache_clear()
+        composed.clear()
+        return pld_epsilon(runs, delta)
+
+    monkeypatch.setattr(pld_module, "_compose_direction", counted)
+    wide = ((4.04, 0.722, 10**8),), 2.1e-12
+    skipped = answer(*wide)
+    assert len(composed) == 2 and skipped < min(value for _, value in composed)  # (the other bounds reported)
+    monkeypatch.setattr(pld_module, "_past_ceiling", lambda *args: False)  # every direction refined, as before
+    assert answer(*wide) == skipped
+    assert len(composed) > 2
+    monkeypatch.undo()
+    monkeypatch.setattr(pld_module, "_compose_direction", counted)
+    below = answer(((0.10276, 2.201e-6, 10**8),), 2.144e-12)
+    refined = [value for dtype, value in composed if dtype != np.dtype(np.float64)]
+    assert below == min(refined) if pld_module._EXTENDED_U < pld_module._U else below <= composed[-1][1]
+    pld_module._noted_pld_epsilon.cache_clear()
+
+
 def test_where_the_refinement_past_the_largest_grid_starts_epsilon_falls_by_a_grid_doubling_at_most():
     # One step more crosses into the refinement (2^20 to 2^21 points): the finer grid's
     # answer is lower by what the two grids' mean shifts differ, 3.4e-4 of epsilon, as

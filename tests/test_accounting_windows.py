@@ -212,7 +212,7 @@ def _whole_window_answer(tilted, log_untilt, losses, constant, noise, delta) -> 
         inclusive = np.logaddexp.accumulate((np.log(masses) - losses)[::-1])[::-1]
     weighted = np.exp(np.concatenate([inclusive[1:], [-np.inf]]) + losses)
     decay = float(log_untilt[0] - log_untilt[1])
-    allowance = pld_module._allowances(noise, log_untilt, decay, (losses.size - 1 - np.arange(losses.size)).astype(float))
+    allowance = pld_module._allowances(noise, log_untilt, decay, losses.size - 1.0 - np.arange(losses.size))
     profile = constant + allowance + np.maximum(above - weighted, 0.0)
     profile[: first + 1] = np.inf
     k = int(np.argmax(profile <= delta))

@@ -1253,7 +1253,7 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
     cuts: dict = {}  # (direction, points, spacing) -> how far the window's cuts moved its answer
     compose_on = _lower_on if lower else functools.partial(_compose_on, mixture=mixture, shift=shift, bound=bound,
                                                             split=split, rare_split=rare_split, uncertified=set(),
-                                                            cuts=cuts)
+                                                            cuts=cuts, ceiling=ceiling)
     if grid_points is not None:
         return compose_on(steps, deltas, _choose_grid(steps, delta, _fft_size(grid_points)))
     first, last = AUTO_GRID_POINTS
@@ -1834,7 +1834,8 @@ def _shorter_cut_grid(steps: tuple, delta: float, grid: _Grid, guess: float):
 
 def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: float = 0.0, bound: set | None = None,
                 split: set | None = None, rare_split: bool = True, settle_first: bool = False,
-                uncertified: set | None = None, refine: bool = True, known=None, cuts=None, kept=None) -> dict:
+                uncertified: set | None = None, refine: bool = True, known=None, cuts=None, kept=None,
+                ceiling: float = math.inf) -> dict:
     """Epsilon of each direction on ``grid``: both composed side by side in float64, then refined
     where rounding decides a direction's answer (:func:`_refined`), unless that direction cannot
     set the reported ``max(remove, add + shift)``. Refining only lowers a value (the smaller of
@@ -1847,19 +1848,18 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
     ``kept``: ``{direction: epsilon}`` for one direction, not composed: its value stands.
     ``settle_first`` (the calibration's model, :func:`model_epsilon`): one after the other,
     the other's quickest candidate first (float64 at its own tilt where above the grid's),
-    the rest only where still above the larger's final value. The maximum is the same;
-    side by side, the other's split could take four times the larger's refinement for
-    nothing (q 1.72e-6, 8.2*10^7 steps: 0.9 s, for 0.40 below 0.62). Without ``refine``:
-    the float64 answers ``{direction: (epsilon, rounding decides)}``, for ``known`` later."""
-    compose = _remembered(lambda direction, on, dtype: _compose_direction(
-        steps, direction, on, deltas[direction], dtype, mixture=mixture, cuts=cuts))
-
+    the rest only where still above the larger's final value (side by side, the other's
+    split took 0.9 s for nothing at q 1.72e-6). Without ``refine``: the float64 answers
+    ``{direction: (epsilon, rounding decides)}``, for ``known`` later. ``ceiling``: another
+    sound bound, reported where smaller (:func:`_past_ceiling`)."""
+    compose = _composer(steps, deltas, (mixture, cuts), lows := {})
     together = mixture is None or grid.n > _MIXTURE_APART_POINTS  # (_both_directions)
     first = known or _first_answers(lambda d: _first_answer(compose, d, grid, uncertified), together, kept)
     if not refine:
         return first
-    epsilons = {direction: value for direction, (value, _) in first.items()}
-    offsets = {_REMOVE: 0.0, _ADD: shift}
+    epsilons, offsets = {direction: value for direction, (value, _) in first.items()}, {_REMOVE: 0.0, _ADD: shift}
+    if _past_ceiling(steps, deltas, first, (lows, offsets, ceiling, bound), mixture is None and rare_split):
+        return epsilons
     order = sorted(epsilons, key=lambda d: epsilons[d] + offsets[d], reverse=True)
     refinable = {d: first[d][1] and not _unlowerable(epsilons[d], grid, d) for d in epsilons}
     grid_values = {direction: epsilons[direction] + offsets[direction] for direction in epsilons}
@@ -1892,6 +1892,45 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
             if bound is not None and split is not None and (by_split or binding):
                 (split if by_split else bound).add(direction)
     return epsilons
+
+
+def _composer(steps: tuple, deltas: dict, mixture_cuts: tuple, lows: dict):
+    """:func:`_compose_on`'s ``compose(direction, grid, dtype)`` (:func:`_compose_direction`,
+    each composition made once: :func:`_remembered`), with ``mixture_cuts``: its
+    ``(mixture, cuts)``; ``lows`` maps each direction to its refinement floors
+    (:func:`_past_ceiling`)."""
+    mixture, cuts = mixture_cuts
+    return _remembered(lambda direction, on, dtype: _compose_direction(
+        steps, direction, on, deltas[direction], dtype, mixture=mixture, cuts=cuts,
+        floors=lows.setdefault(direction, [])))
+
+
+def _past_ceiling(steps: tuple, deltas: dict, first: dict, state: tuple, splits: bool) -> bool:
+    """Whether no refinement on the grid can bring :func:`_compose_on`'s reported value
+    below ``ceiling`` (``state``: ``(floors, offsets, ceiling, bound)``; where it cannot,
+    the directions rounding decides are added to ``bound``, a set or None): some direction's
+    ``first`` answer, where rounding does not decide it, or else its first
+    :func:`_refinement_floor` (``floors``), plus its offset, is at or above the ceiling,
+    and no split of :mod:`.rare` (tried where ``splits``) answers it instead. The reported
+    value is at least that direction's, and the caller then reports the ceiling.
+
+    At q 0.36 to 0.86 over 10^8 steps (epsilon near 10^6) the RDP and mixture bounds lie
+    below the PLD's answers, and extended precision and other tilts composed seven
+    times more on 2^20 points to find answers still above them (sigma 4.04, q 0.722,
+    delta 2.1e-12: removal's floor 1,643,358 and its refined answer 1,648,413, against a
+    ceiling of 1,617,730; 0.87 s). The floor reads this composition's grid distributions,
+    which other tilts wrap around a little differently: only which sound bound is
+    reported is at stake, not soundness."""
+    floors, offsets, ceiling, bound = state
+    if not ceiling < math.inf:
+        return False
+    for direction, (value, binding) in first.items():
+        lowest = (floors.get(direction) or [0.0])[0] if binding else value
+        if (lowest + offsets[direction] >= ceiling
+                and not (binding and splits and rare.split_epsilon(steps, direction, deltas[direction], value))):
+            (set() if bound is None else bound).update(d for d in first if first[d][1])
+            return True
+    return False
 
 
 def _remembered(compose):
@@ -4198,8 +4237,8 @@ def _direction_lower(steps, direction, grid: _Grid, delta, kernel=None) -> float
     return epsilon
 
 
-def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool = False,
-                       head: int = 0, mixture=None, cuts: dict | None = None, kernel=None) -> tuple[float, bool]:
+def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool = False, head: int = 0,
+                       mixture=None, cuts: dict | None = None, kernel=None, floors: list | None = None) -> tuple:
     r"""Compose by FFT, undo the tilt, invert the profile: ``(epsilon, rounding_binding)``.
 
     The transform works on the *tilted* distributions :math:`\tilde m_k \propto m_k
@@ -4219,6 +4258,7 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
 
     ``kernel`` (lower bounds only): where given, the lowered masses, their losses, the
     constant and delta go to it for the answer instead (:func:`_batches_lower`).
+    ``floors``: see :func:`_invert_by_bisection`.
     """
     grid = _directed(grid, direction)
     n, spacing = grid.n, grid.spacing
@@ -4253,7 +4293,7 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
     constant = -math.expm1(parts.log_finite) + tail
     if constant > delta * (1.0 + 2.0**-20):
         return math.inf, _UNTILTABLE  # what lies at +inf or beyond the window: no precision certifies a point
-    found = _invert_profile(tilted, log_untilt, losses, constant, noise, delta)
+    found = _invert_profile(tilted, log_untilt, losses, constant, noise, delta, floors=floors)
     if cuts is not None and grid.cut > _TAIL_FRACTION:
         cuts[direction, grid.n, grid.spacing] = _cut_move(found, (tilted, log_untilt, losses, noise), delta)
     return found
@@ -5157,7 +5197,8 @@ def _polar(log_modulus: np.ndarray, angle: np.ndarray) -> np.ndarray:
     return out
 
 
-def _invert_profile(tilted, log_untilt, losses, constant, noise, delta, lower: bool = False) -> tuple[float, bool]:
+def _invert_profile(tilted, log_untilt, losses, constant, noise, delta, lower: bool = False,
+                    floors: list | None = None) -> tuple[float, bool]:
     r"""Smallest epsilon >= 0 with delta(epsilon) <= delta, and whether the rounding
     allowance there exceeds delta / 100; with m_k the untilted masses
     ``tilted_k * e^{log_untilt_k}``, the profile is
@@ -5184,7 +5225,7 @@ def _invert_profile(tilted, log_untilt, losses, constant, noise, delta, lower: b
         return (0.0, False) if lower else (math.inf, _UNTILTABLE)
     first_valid = int(np.argmax(valid))  # log_untilt is non-increasing in k
     if not lower:
-        return _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, first_valid)
+        return _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, first_valid, floors)
     decay = float(log_untilt[0] - log_untilt[1])  # tilt * spacing
     remaining = (n - 1 - np.arange(n)).astype(float)
     # Each entry is at least its computed value less its rounding bound (and >= 0): the
@@ -5277,29 +5318,28 @@ def _within_bin_lower(excess: float, scale: float, weighted: float, losses: np.n
     return max(epsilon - error, float(losses[k - 1]), 0.0)
 
 
-def _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, first_valid) -> tuple[float, bool]:
+def _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, first_valid,
+                         floors: list | None = None) -> tuple[float, bool]:
     r""":func:`_invert_profile` for the upper bound, reading the profile at ``O(log n)``
     grid points instead of all ``n``.
 
     The profile is :math:`c + \text{allowance}_k + A_k - W_k` with suffix sums
     :math:`A_k = \sum_{j > k} m_j` and :math:`W_k = \sum_{j > k} m_j e^{l_k - l_j}`, read
     at each point the bisection asks from sums over blocks (:func:`_suffix_reader`, ``W``
-    discounted from the point read, so no factor grows however wide the window): the
-    masses and their full suffix sums (13 ms each at 2^20 points, against 0.5 ms) took a
-    fifth of a calibration near epsilon's zero, and at huge epsilon (windows thousands
-    wide, read in log space) a third of a composition on 2^22 points. ``A`` is rounded
-    up and ``W`` down by a bound on their rounding: :math:`(d + 1) u` for a summation
-    tree of depth ``d`` (Higham 2002, Sec. 4.2), and about ``|x| u`` for each
+    discounted from the point read, so no factor grows however wide the window): full
+    suffix sums (13 ms each at 2^20 points, against 0.5 ms) took a fifth of a calibration
+    near epsilon's zero, and at huge epsilon a third of a composition on 2^22 points.
+    ``A`` is rounded up and ``W`` down by a bound on their rounding: :math:`(d + 1) u` for
+    a summation tree of depth ``d`` (Higham 2002, Sec. 4.2), and about ``|x| u`` for each
     exponential of an argument ``x`` that builds a term (two per term, the discounted
     ones a third; each argument at most twice the largest exponent). The bisection keeps
     a point certified at most ``delta`` as its upper end, so the answer is certified.
+    Where rounding decides the answer, ``floors`` (a list, where given) receives its
+    :func:`_refinement_floor`.
     """
     n = losses.size
-    # log_untilt and the losses are linear in k: their exponentials come in blocks (_suffix_reader).
     size = n - first_valid
-    slope = float(log_untilt[-1] - log_untilt[first_valid]) / max(size - 1, 1)  # -tilt * spacing
-    spacing = float(losses[-1] - losses[first_valid]) / max(size - 1, 1)
-    start = float(log_untilt[first_valid])
+    start, slope, spacing = _linear_rates(log_untilt, losses, first_valid)
     valid = tilted[first_valid:]  # m_j, and m_j e^{l_k - l_j} read at k:
     (above, depth, lost), (discounted, deeper, dropped) = (_suffix_reader(valid, start, slope, discount)
                                                            for discount in (0.0, spacing))
@@ -5332,11 +5372,20 @@ def _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, fir
     answer = _within_bin(constant + allowance + a - delta, weighted_at, losses, high)
     if not allowance > delta / 100.0:
         return answer, False
-    span, inner = np.arange(first_valid + 1, high + 1), slice(1, high + 1 - first_valid)
-    masses = valid * _exp_linear(start, slope, size)
-    return answer, _rounding_may_lower(answer, _suffix_sum(masses)[inner],
-                                       _weighted_suffix_sum(masses, losses[first_valid:], 0)[inner],
-                                       _allowances(noise, log_untilt[span], decay, n - 1.0 - span), losses[span], delta)
+    floor = _refinement_floor((tilted, log_untilt, losses, noise), first_valid, high, delta)
+    if floors is not None:
+        floors.append(floor)
+    return answer, answer - floor > _REFINE_SHARE * answer
+
+
+def _linear_rates(log_untilt: np.ndarray, losses: np.ndarray, first_valid: int) -> tuple[float, float, float]:
+    """``(start, slope, spacing)``: the untilting exponent at ``first_valid`` and its rate
+    per point from there (``-tilt * spacing``), and the losses' spacing. Both are linear
+    in the point, so their exponentials come in blocks (:func:`_suffix_reader`,
+    :func:`_exp_linear`)."""
+    points = max(losses.size - first_valid - 1, 1)
+    return (float(log_untilt[first_valid]), float(log_untilt[-1] - log_untilt[first_valid]) / points,
+            float(losses[-1] - losses[first_valid]) / points)
 
 
 def _suffix_reader(tilted: np.ndarray, start: float, slope: float, discount: float = 0.0) -> tuple:
@@ -5403,11 +5452,13 @@ _SUFFIX_BLOCK = 1024
 _REFINE_SHARE = 2.0**-10
 
 
-def _rounding_may_lower(answer: float, above, weighted, allowance, losses, delta: float) -> bool:
-    r"""Whether a refinement on the same grid could lower ``answer`` (rounding decided)
-    by more than :data:`_REFINE_SHARE` of it. ``above``, ``weighted`` and ``allowance``:
-    the profile's terms at the grid points ``losses`` from above the first valid one up to
-    the answer's (see :func:`_invert_profile`).
+def _refinement_floor(profile: tuple, first_valid: int, high: int, delta: float) -> float:
+    r"""About the least epsilon a refinement on the same grid could certify (an answer
+    rounding decided): :func:`_invert_by_bisection` refines only where that lies more than
+    :data:`_REFINE_SHARE` of the answer below it, and :func:`_compose_on` not at all where
+    it lies above another sound bound that the caller reports instead. ``profile``:
+    ``(tilted, log_untilt, losses, noise)`` of :func:`_invert_profile`, read from above
+    ``first_valid`` up to the answer's point ``high``; 0 where no point is reached below it.
 
     Any tilt and precision composes the same grid distributions, whose exact profile is
     at least :math:`A_k - W_k - \text{allowance}_k` at each point (the allowance bounds
@@ -5418,14 +5469,19 @@ def _rounding_may_lower(answer: float, above, weighted, allowance, losses, delta
     extended precision takes 4 s a direction, and rounding may decide an answer by a
     few parts in 10^5 of it (300 runs of 1000 steps, q 0.055 to 0.37: 6594.24 against
     6592.91). This only steers the work: the answer is sound either way."""
-    lowered = np.maximum(above - weighted, 0.0) - allowance
+    tilted, log_untilt, losses, noise = profile
+    start, slope, _ = _linear_rates(log_untilt, losses, first_valid)
+    masses = tilted[first_valid:] * _exp_linear(start, slope, losses.size - first_valid)
+    span, inner = np.arange(first_valid + 1, high + 1), slice(1, high + 1 - first_valid)
+    above, weighted = _suffix_sum(masses)[inner], _weighted_suffix_sum(masses, losses[first_valid:], 0)[inner]
+    allowance = _allowances(noise, log_untilt[span], float(log_untilt[0] - log_untilt[1]), log_untilt.size - 1.0 - span)
+    losses, lowered = losses[span], np.maximum(above - weighted, 0.0) - allowance
     envelope = np.maximum.accumulate(lowered[::-1])[::-1]
     reached = np.flatnonzero(envelope <= delta)  # (the answer's point is among them)
     if reached.size == 0 or reached[0] == 0:
-        return True  # (at the first valid point or below: other tilts validate other points)
+        return 0.0  # (at the first valid point or below: other tilts validate other points)
     k = int(reached[0])
-    floor = _within_bin(float(lowered[k - 1] + weighted[k - 1]) - delta, float(weighted[k - 1]), losses, k)
-    return answer - floor > _REFINE_SHARE * answer
+    return _within_bin(float(lowered[k - 1] + weighted[k - 1]) - delta, float(weighted[k - 1]), losses, k)
 
 
 #: Block length of :func:`_exp_linear`.
