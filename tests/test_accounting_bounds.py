@@ -418,6 +418,36 @@ def test_no_direction_is_refined_where_another_reported_bound_lies_below_its_flo
     pld_module._noted_pld_epsilon.cache_clear()
 
 
+def test_the_largest_grid_is_not_refined_where_its_answers_ask_for_the_grid_past_it(monkeypatch):
+    # sigma 0.041, q 8.6e-3 over 10^8 steps: rounding decides removal's answer on 2^20
+    # points, and extended precision took 0.36 s to lower it by 0.08%, before 2^22 points
+    # lowered it by 1.3% (pld._first_grid, pld._finer_past_last). Now only the finer grid
+    # is composed after the first answers, and it answers.
+    runs, delta = ((0.040547, 0.0086267, 10**8),), 9.21e-12
+    composed, compose = [], pld_module._compose_direction
+
+    def counted(steps, direction, grid, delta, dtype, *args, **kwargs):
+        found = compose(steps, direction, grid, delta, dtype, *args, **kwargs)
+        composed.append((grid.n, np.dtype(dtype), found[0]))
+        return found
+
+    def answer():
+        pld_module._noted_pld_epsilon.cache_clear()
+        composed.clear()
+        return pld_epsilon(runs, delta)
+
+    monkeypatch.setattr(pld_module, "_compose_direction", counted)
+    skipped = answer()
+    assert [entry[:2] for entry in composed[:2]] == [(2**20, np.dtype(np.float64))] * 2
+    assert composed[2:] and all(n == 2**22 for n, _, _ in composed[2:])
+    assert skipped == min(value for _, _, value in composed[2:])
+    monkeypatch.setattr(pld_module, "_finer_past_last", lambda *args: None)  # the largest grid alone, refined
+    refined = answer()
+    assert len(composed) > 2 and all(n == 2**20 for n, _, _ in composed)
+    assert skipped < refined * (1.0 - 1e-3)
+    pld_module._noted_pld_epsilon.cache_clear()
+
+
 def test_where_the_refinement_past_the_largest_grid_starts_epsilon_falls_by_a_grid_doubling_at_most():
     # One step more crosses into the refinement (2^20 to 2^21 points): the finer grid's
     # answer is lower by what the two grids' mean shifts differ, 3.4e-4 of epsilon, as

@@ -29,7 +29,7 @@ def first_grid(monkeypatch, fine: bool, mixture=("groups",), n=2**19, ceiling=ma
     monkeypatch.setattr(pld_module, "_fine_for", lambda *args, **kwargs: fine)
     grid = SimpleNamespace(n=n, spacing=1e-5, tilt=4.0)
     found = pld_module._first_grid((), {"remove": 1e-9, "add": 1e-9}, grid, compose_on,
-                                   (mixture, False, ceiling, 1.0, 2**20))
+                                   (mixture, False, ceiling, 1.0, 2**20, 0.0))
     return calls, found
 
 

@@ -1272,7 +1272,7 @@ def _compose_and_invert(steps: tuple, deltas: dict, grid_points: int | None, low
         unspread and rare_split and not lower and mixture is None) else None
     if early is not None:
         return early
-    epsilons = _first_grid(steps, deltas, grid, compose_on, (mixture, lower, ceiling, strict, last))
+    epsilons = _first_grid(steps, deltas, grid, compose_on, (mixture, lower, ceiling, strict, last, shift))
     reported = _reported(epsilons, shift)
     if reported in split or (not lower and not any(epsilons.values())):
         return epsilons  # the split's grid answered (none does better), or a sound 0, exact (1000 pairs at q 4e-6: 5 s)
@@ -1308,22 +1308,29 @@ def _past_last(steps: tuple, deltas: dict, epsilons: dict, compose_on, grid: _Gr
     what the grids' shifts differ: 3.4e-4 of it at 3,122,160 steps (0.46% with a
     threshold of 0.4%), as where the automatic grid doubles."""
     last, shift, ceiling = state
-    answer = _shifted_max(epsilons, shift)
-    if (grid.n < last or len(steps) > _PAST_LAST_STEPS or not _PAST_LAST_EPSILON <= answer < ceiling
-            or _mean_shift(steps, grid.spacing) <= _PAST_LAST_SHARE * answer):
-        return grid, epsilons
-    try:
-        finer = _choose_grid(steps, min(deltas.values()), 2 * grid.n, _MAX_REFINE * last, answer,
-                             tail_fraction=grid.cut)
-    except FloatingPointError:  # pragma: no cover - no window fits: the sound answers stand
-        return grid, epsilons
-    if finer.spacing >= grid.spacing:
+    finer = _finer_past_last(steps, min(deltas.values()), grid, _shifted_max(epsilons, shift), (last, ceiling))
+    if finer is None:
         return grid, epsilons
     larger = _reported(epsilons, shift)  # the other, far below it, keeps its answer (a sound bound)
     smaller, offsets = _other(larger), {_REMOVE: 0.0, _ADD: shift}
     if epsilons[smaller] + offsets[smaller] <= _PAST_LAST_APART * (epsilons[larger] + offsets[larger]):
         compose_on = functools.partial(compose_on, kept={smaller: epsilons[smaller]})
     return finer, _smaller_with(steps, deltas, epsilons, compose_on, lambda: finer)
+
+
+def _finer_past_last(steps: tuple, delta: float, grid: _Grid, answer: float, state: tuple) -> _Grid | None:
+    """The grid :func:`_past_last` refines ``grid`` to for a reported ``answer`` (``state``:
+    the largest automatic grid's points ``last`` and the other bounds' ``ceiling``), or
+    None where it keeps ``grid``."""
+    last, ceiling = state
+    if (grid.n < last or len(steps) > _PAST_LAST_STEPS or not _PAST_LAST_EPSILON <= answer < ceiling
+            or _mean_shift(steps, grid.spacing) <= _PAST_LAST_SHARE * answer):
+        return None
+    try:
+        finer = _choose_grid(steps, delta, 2 * grid.n, _MAX_REFINE * last, answer, tail_fraction=grid.cut)
+    except FloatingPointError:  # pragma: no cover - no window fits: the sound answers stand
+        return None
+    return finer if finer.spacing < grid.spacing else None
 
 
 def _mean_shift(steps: tuple, spacing: float) -> float:
@@ -1543,16 +1550,25 @@ _UNREFINED_POINTS = 2**19
 
 def _first_grid(steps: tuple, deltas: dict, grid: _Grid, compose_on, call: tuple) -> dict:
     """:func:`_compose_and_invert`'s answers on its first ``grid``: ``compose_on`` them, but
-    for mixture groups (``call``: ``(mixture, lower, ceiling, strict, last)`` of that call)
-    their float64 answers alone where those already call for a finer grid (not fine for
-    their own maximum, below ``ceiling``, on fewer than ``last`` points): refining them
-    would only lower that maximum, and a lower guess asks for a finer grid still
-    (:func:`_fine_for`), whose answers are taken beside these. 10^4 runs of 1000 steps at
-    q 1e-6, delta 6.7e-7: extended precision on 2^19 points lowered 0.0607 to 0.0601 in
-    7 s, where 2^20 points then gave 0.0525. The split of :mod:`.rare`, which can settle a
-    direction on the first grid, is not among a mixture's refinements."""
-    mixture, lower, ceiling, strict, last = call
+    for mixture groups (``call``: ``(mixture, lower, ceiling, strict, last, shift)`` of
+    that call) their float64 answers alone where those already call for a finer grid
+    (not fine for their own maximum, below ``ceiling``, on fewer than ``last`` points):
+    refining them would only lower that maximum, and a lower guess asks for a finer grid
+    still (:func:`_fine_for`), whose answers are taken beside these. 10^4 runs of 1000
+    steps at q 1e-6, delta 6.7e-7: extended precision on 2^19 points lowered 0.0607 to
+    0.0601 in 7 s, where 2^20 points then gave 0.0525. The split of :mod:`.rare`, which can
+    settle a direction on the first grid, is not among a mixture's refinements. So too for
+    a few distinct steps on the largest grid where their float64 answers ask for the grid
+    past it (:func:`_finer_past_last`): sigma 0.041, q 8.6e-3 over 10^8 steps refined
+    2.6345*10^8 to 2.6324*10^8 on 2^20 points in 0.36 s, before 2^22 gave 2.6014*10^8."""
+    mixture, lower, ceiling, strict, last, shift = call
     delta = min(deltas.values())
+    if mixture is None and not lower and grid.n >= last and len(steps) <= _PAST_LAST_STEPS:
+        first = compose_on(steps, deltas, grid, refine=False, lows=(lows := {}))
+        quick = {direction: value for direction, (value, _) in first.items()}
+        if _finer_past_last(steps, delta, grid, _shifted_max(quick, shift), (last, ceiling)):
+            return quick
+        return compose_on(steps, deltas, grid, known=first, lows=lows)
     if mixture is None or lower or not _UNREFINED_POINTS <= grid.n < last:
         return compose_on(steps, deltas, grid)
     first = compose_on(steps, deltas, grid, refine=False)
@@ -1835,7 +1851,7 @@ def _shorter_cut_grid(steps: tuple, delta: float, grid: _Grid, guess: float):
 def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: float = 0.0, bound: set | None = None,
                 split: set | None = None, rare_split: bool = True, settle_first: bool = False,
                 uncertified: set | None = None, refine: bool = True, known=None, cuts=None, kept=None,
-                ceiling: float = math.inf) -> dict:
+                ceiling: float = math.inf, lows: dict | None = None) -> dict:
     """Epsilon of each direction on ``grid``: both composed side by side in float64, then refined
     where rounding decides a direction's answer (:func:`_refined`), unless that direction cannot
     set the reported ``max(remove, add + shift)``. Refining only lowers a value (the smaller of
@@ -1851,8 +1867,8 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
     the rest only where still above the larger's final value (side by side, the other's
     split took 0.9 s for nothing at q 1.72e-6). Without ``refine``: the float64 answers
     ``{direction: (epsilon, rounding decides)}``, for ``known`` later. ``ceiling``: another
-    sound bound, reported where smaller (:func:`_past_ceiling`)."""
-    compose = _composer(steps, deltas, (mixture, cuts), lows := {})
+    sound bound, reported where smaller (:func:`_past_ceiling`; ``lows``: :func:`_composer`)."""
+    compose, lows = _composer(steps, deltas, (mixture, cuts), lows)
     together = mixture is None or grid.n > _MIXTURE_APART_POINTS  # (_both_directions)
     first = known or _first_answers(lambda d: _first_answer(compose, d, grid, uncertified), together, kept)
     if not refine:
@@ -1894,15 +1910,17 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
     return epsilons
 
 
-def _composer(steps: tuple, deltas: dict, mixture_cuts: tuple, lows: dict):
-    """:func:`_compose_on`'s ``compose(direction, grid, dtype)`` (:func:`_compose_direction`,
-    each composition made once: :func:`_remembered`), with ``mixture_cuts``: its
-    ``(mixture, cuts)``; ``lows`` maps each direction to its refinement floors
-    (:func:`_past_ceiling`)."""
+def _composer(steps: tuple, deltas: dict, mixture_cuts: tuple, lows: dict | None) -> tuple:
+    """``(compose, lows)`` for :func:`_compose_on`: ``compose(direction, grid, dtype)``
+    (:func:`_compose_direction`, each composition made once: :func:`_remembered`), with
+    ``mixture_cuts``: its ``(mixture, cuts)``; ``lows`` (a new dict where None) maps each
+    direction to the refinement floors of its compositions (:func:`_past_ceiling`), kept
+    by a caller that composes first answers and refines them in a second call."""
     mixture, cuts = mixture_cuts
+    lows = {} if lows is None else lows
     return _remembered(lambda direction, on, dtype: _compose_direction(
         steps, direction, on, deltas[direction], dtype, mixture=mixture, cuts=cuts,
-        floors=lows.setdefault(direction, [])))
+        floors=lows.setdefault(direction, []))), lows
 
 
 def _past_ceiling(steps: tuple, deltas: dict, first: dict, state: tuple, splits: bool) -> bool:
