@@ -200,6 +200,50 @@ def test_a_wide_profile_is_read_at_a_few_points_as_the_whole_window_reads_it(mon
         assert whole <= answer <= whole + 1e-9 * abs(whole) + 1e-12, (answer, whole)
 
 
+def test_the_refinement_floor_read_below_the_answer_is_the_whole_windows(monkeypatch):
+    # Where rounding decides an answer, the inversion reads how low a refinement could go
+    # (pld._refinement_floor), from 2^-5 of the answer below it up, seeded with the sums
+    # above the answer. Where the floor lies in that range it is the one the whole window
+    # gives, every point's sums formed in extended precision; else 0 is read, and the
+    # whole window's floor lies below the range.
+    read, floor = [], pld_module._refinement_floor
+    monkeypatch.setattr(pld_module, "_refinement_floor", lambda *args: read.append((args, floor(*args))) or read[-1][1])
+    pld_module._noted_pld_epsilon.cache_clear()
+    for runs, delta in (([(267.92, 1.839e-3, 1)], 2.651e-6), ([(0.3, 0.3, 1000)], 1e-10),
+                        ([(4.04, 0.722, 10**8)], 2.1e-12)):
+        pld_epsilon(runs, delta)
+    pld_module._noted_pld_epsilon.cache_clear()
+    assert len(read) >= 3 and any(value > 0.0 for _, value in read)
+    for ((tilted, log_untilt, losses, noise), (first, high), _, delta), value in read:
+        whole = _whole_window_floor(tilted, log_untilt, losses, noise, (first, high), delta)
+        if value > 0.0:
+            assert abs(value - whole) <= 1e-9 * abs(whole) + 1e-12, (value, whole)
+        else:
+            assert whole <= losses[high] - pld_module._FLOOR_SHARE * abs(losses[high]) + (losses[1] - losses[0])
+
+
+def _whole_window_floor(tilted, log_untilt, losses, noise, span, delta) -> float:
+    """The least epsilon where every point from it up to the answer's has its sums less
+    their allowance at most delta, from every point above the first valid one, the sums
+    formed in extended precision (0 where none is reached above it)."""
+    first, high = span
+    masses = tilted.astype(np.longdouble) * np.exp(np.minimum(log_untilt, 300.0).astype(np.longdouble))
+    masses[:first] = 0.0
+    above = np.concatenate([np.cumsum(masses[::-1])[::-1][1:], [0.0]])
+    with np.errstate(divide="ignore"):
+        inclusive = np.logaddexp.accumulate((np.log(masses) - losses)[::-1])[::-1]
+    weighted = np.exp(np.concatenate([inclusive[1:], [-np.inf]]) + losses)
+    decay = float(log_untilt[0] - log_untilt[1])
+    allowance = pld_module._allowances(noise, log_untilt, decay, losses.size - 1.0 - np.arange(losses.size))
+    lowered = (np.maximum(above - weighted, 0.0) - allowance)[first + 1:high + 1]
+    reached = np.flatnonzero(np.maximum.accumulate(lowered[::-1])[::-1] <= delta)
+    if reached.size == 0 or reached[0] == 0:
+        return 0.0
+    k = int(reached[0]) + first + 1
+    excess = float(lowered[k - first - 2] + weighted[k - 1]) - delta
+    return float(min(max(losses[k - 1] + math.log(excess / float(weighted[k - 1])), losses[k - 1]), losses[k]))
+
+
 def _whole_window_answer(tilted, log_untilt, losses, constant, noise, delta) -> float:
     """The first grid point whose profile is at most delta, read within its bin, with every
     point's suffix sums formed in extended precision (no rounding bound added)."""

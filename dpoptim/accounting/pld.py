@@ -4374,7 +4374,7 @@ def _cut_move(found: tuple, profile: tuple, delta: float) -> float:
     kept = _allowance_at(profile, probe) if binding else 0.0  # (the free profile keeps it)
     if _profile_above(profile[:3], probe, delta - kept):  # the free answer lies above the probe
         return answer - probe
-    free = _invert_profile(*profile[:3], 0.0, profile[3] if binding else (0.0, 0.0), delta)[0]
+    free = _invert_profile(*profile[:3], 0.0, profile[3] if binding else (0.0, 0.0), delta, floors=False)[0]
     return answer - free
 
 
@@ -5216,7 +5216,7 @@ def _polar(log_modulus: np.ndarray, angle: np.ndarray) -> np.ndarray:
 
 
 def _invert_profile(tilted, log_untilt, losses, constant, noise, delta, lower: bool = False,
-                    floors: list | None = None) -> tuple[float, bool]:
+                    floors: list | bool | None = None) -> tuple[float, bool]:
     r"""Smallest epsilon >= 0 with delta(epsilon) <= delta, and whether the rounding
     allowance there exceeds delta / 100; with m_k the untilted masses
     ``tilted_k * e^{log_untilt_k}``, the profile is
@@ -5337,7 +5337,7 @@ def _within_bin_lower(excess: float, scale: float, weighted: float, losses: np.n
 
 
 def _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, first_valid,
-                         floors: list | None = None) -> tuple[float, bool]:
+                         floors: list | bool | None = None) -> tuple[float, bool]:
     r""":func:`_invert_profile` for the upper bound, reading the profile at ``O(log n)``
     grid points instead of all ``n``.
 
@@ -5352,11 +5352,10 @@ def _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, fir
     exponential of an argument ``x`` that builds a term (two per term, the discounted
     ones a third; each argument at most twice the largest exponent). The bisection keeps
     a point certified at most ``delta`` as its upper end, so the answer is certified.
-    Where rounding decides the answer, ``floors`` (a list, where given) receives its
-    :func:`_refinement_floor`.
+    Where rounding decides the answer, ``floors`` (a list) receives its
+    :func:`_refinement_floor`; ``floors=False`` reads none (an answer alone is asked).
     """
-    n = losses.size
-    size = n - first_valid
+    n, size = losses.size, losses.size - first_valid
     start, slope, spacing = _linear_rates(log_untilt, losses, first_valid)
     valid = tilted[first_valid:]  # m_j, and m_j e^{l_k - l_j} read at k:
     (above, depth, lost), (discounted, deeper, dropped) = (_suffix_reader(valid, start, slope, discount)
@@ -5390,7 +5389,10 @@ def _invert_by_bisection(tilted, log_untilt, losses, constant, noise, delta, fir
     answer = _within_bin(constant + allowance + a - delta, weighted_at, losses, high)
     if not allowance > delta / 100.0:
         return answer, False
-    floor = _refinement_floor((tilted, log_untilt, losses, noise), first_valid, high, delta)
+    if floors is False:
+        return answer, True
+    seeds = (above(high - first_valid), discounted(high - first_valid))
+    floor = _refinement_floor((tilted, log_untilt, losses, noise), (first_valid, high), seeds, delta)
     if floors is not None:
         floors.append(floor)
     return answer, answer - floor > _REFINE_SHARE * answer
@@ -5470,13 +5472,16 @@ _SUFFIX_BLOCK = 1024
 _REFINE_SHARE = 2.0**-10
 
 
-def _refinement_floor(profile: tuple, first_valid: int, high: int, delta: float) -> float:
+def _refinement_floor(profile: tuple, span: tuple, seeds: tuple, delta: float) -> float:
     r"""About the least epsilon a refinement on the same grid could certify (an answer
     rounding decided): :func:`_invert_by_bisection` refines only where that lies more than
     :data:`_REFINE_SHARE` of the answer below it, and :func:`_compose_on` not at all where
     it lies above another sound bound that the caller reports instead. ``profile``:
-    ``(tilted, log_untilt, losses, noise)`` of :func:`_invert_profile`, read from above
-    ``first_valid`` up to the answer's point ``high``; 0 where no point is reached below it.
+    ``(tilted, log_untilt, losses, noise)`` of :func:`_invert_profile`; ``span``: its first
+    valid point and the answer's point ``high``; ``seeds``: the sums of the masses above
+    ``high`` and of their :math:`m_j e^{l_{high} - l_j}`. Read from :data:`_FLOOR_SHARE` of
+    the answer below it up (the window below, at 2^22 points, took 0.28 s a reading); 0
+    where no point is reached there.
 
     Any tilt and precision composes the same grid distributions, whose exact profile is
     at least :math:`A_k - W_k - \text{allowance}_k` at each point (the allowance bounds
@@ -5488,18 +5493,31 @@ def _refinement_floor(profile: tuple, first_valid: int, high: int, delta: float)
     few parts in 10^5 of it (300 runs of 1000 steps, q 0.055 to 0.37: 6594.24 against
     6592.91). This only steers the work: the answer is sound either way."""
     tilted, log_untilt, losses, noise = profile
+    (first_valid, high), (above_high, weighted_high) = span, seeds
     start, slope, _ = _linear_rates(log_untilt, losses, first_valid)
-    masses = tilted[first_valid:] * _exp_linear(start, slope, losses.size - first_valid)
-    span, inner = np.arange(first_valid + 1, high + 1), slice(1, high + 1 - first_valid)
-    above, weighted = _suffix_sum(masses)[inner], _weighted_suffix_sum(masses, losses[first_valid:], 0)[inner]
-    allowance = _allowances(noise, log_untilt[span], float(log_untilt[0] - log_untilt[1]), log_untilt.size - 1.0 - span)
-    losses, lowered = losses[span], np.maximum(above - weighted, 0.0) - allowance
+    lowest = float(losses[high]) - _FLOOR_SHARE * abs(float(losses[high]))
+    bottom = max(first_valid + 1, int(np.searchsorted(losses, lowest, side="left")) - 1)
+    part = slice(bottom, high + 1)
+    masses = tilted[part] * _exp_linear(start + slope * (bottom - first_valid), slope, high + 1 - bottom)
+    with np.errstate(divide="ignore"):  # the weighted sums in log space, from what lies above ``high``
+        seed = math.log(weighted_high) - float(losses[high]) if weighted_high > 0.0 else -math.inf
+        inclusive = np.logaddexp.accumulate(np.concatenate([[seed], (np.log(masses) - losses[part])[:0:-1]]))[::-1]
+    weighted, losses = np.exp(inclusive + losses[part]), losses[part]
+    decay, points = float(log_untilt[0] - log_untilt[1]), np.arange(bottom, high + 1)
+    allowance = _allowances(noise, log_untilt[part], decay, log_untilt.size - 1.0 - points)
+    lowered = np.maximum(_suffix_sum(masses) + above_high - weighted, 0.0) - allowance
     envelope = np.maximum.accumulate(lowered[::-1])[::-1]
     reached = np.flatnonzero(envelope <= delta)  # (the answer's point is among them)
     if reached.size == 0 or reached[0] == 0:
-        return 0.0  # (at the first valid point or below: other tilts validate other points)
+        return 0.0  # (at the range's bottom or below: other tilts validate other points)
     k = int(reached[0])
     return _within_bin(float(lowered[k - 1] + weighted[k - 1]) - delta, float(weighted[k - 1]), losses, k)
+
+
+#: :func:`_refinement_floor` reads the profile from this share of the answer below it: it
+#: is compared with the answer less :data:`_REFINE_SHARE` of it, and with other bounds up
+#: to a few percent below (q 0.72 over 10^8 steps: 1.9%).
+_FLOOR_SHARE = 2.0**-5
 
 
 #: Block length of :func:`_exp_linear`.
