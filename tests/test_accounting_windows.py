@@ -227,14 +227,7 @@ def _whole_window_floor(tilted, log_untilt, losses, noise, span, delta) -> float
     their allowance at most delta, from every point above the first valid one, the sums
     formed in extended precision (0 where none is reached above it)."""
     first, high = span
-    masses = tilted.astype(np.longdouble) * np.exp(np.minimum(log_untilt, 300.0).astype(np.longdouble))
-    masses[:first] = 0.0
-    above = np.concatenate([np.cumsum(masses[::-1])[::-1][1:], [0.0]])
-    with np.errstate(divide="ignore"):
-        inclusive = np.logaddexp.accumulate((np.log(masses) - losses)[::-1])[::-1]
-    weighted = np.exp(np.concatenate([inclusive[1:], [-np.inf]]) + losses)
-    decay = float(log_untilt[0] - log_untilt[1])
-    allowance = pld_module._allowances(noise, log_untilt, decay, losses.size - 1.0 - np.arange(losses.size))
+    above, weighted, allowance = _whole_window_terms(tilted, log_untilt, losses, noise)
     lowered = (np.maximum(above - weighted, 0.0) - allowance)[first + 1:high + 1]
     reached = np.flatnonzero(np.maximum.accumulate(lowered[::-1])[::-1] <= delta)
     if reached.size == 0 or reached[0] == 0:
@@ -244,11 +237,11 @@ def _whole_window_floor(tilted, log_untilt, losses, noise, span, delta) -> float
     return float(min(max(losses[k - 1] + math.log(excess / float(weighted[k - 1])), losses[k - 1]), losses[k]))
 
 
-def _whole_window_answer(tilted, log_untilt, losses, constant, noise, delta) -> float:
-    """The first grid point whose profile is at most delta, read within its bin, with every
-    point's suffix sums formed in extended precision (no rounding bound added)."""
+def _whole_window_terms(tilted, log_untilt, losses, noise) -> tuple:
+    """``(above, weighted, allowance)`` at every point: the sums of the valid masses above
+    it and of their ``m_j e^{l_k - l_j}`` (extended precision, the second in log space),
+    and its rounding allowance."""
     valid = log_untilt <= 300.0
-    first = int(np.argmax(valid))
     masses = np.where(valid, tilted.astype(np.longdouble) * np.exp(np.minimum(log_untilt, 300.0).astype(np.longdouble)),
                       0.0)
     above = np.concatenate([np.cumsum(masses[::-1])[::-1][1:], [0.0]])
@@ -256,7 +249,14 @@ def _whole_window_answer(tilted, log_untilt, losses, constant, noise, delta) -> 
         inclusive = np.logaddexp.accumulate((np.log(masses) - losses)[::-1])[::-1]
     weighted = np.exp(np.concatenate([inclusive[1:], [-np.inf]]) + losses)
     decay = float(log_untilt[0] - log_untilt[1])
-    allowance = pld_module._allowances(noise, log_untilt, decay, losses.size - 1.0 - np.arange(losses.size))
+    return above, weighted, pld_module._allowances(noise, log_untilt, decay, losses.size - 1.0 - np.arange(losses.size))
+
+
+def _whole_window_answer(tilted, log_untilt, losses, constant, noise, delta) -> float:
+    """The first grid point whose profile is at most delta, read within its bin, with every
+    point's suffix sums formed in extended precision (no rounding bound added)."""
+    first = int(np.argmax(log_untilt <= 300.0))
+    above, weighted, allowance = _whole_window_terms(tilted, log_untilt, losses, noise)
     profile = constant + allowance + np.maximum(above - weighted, 0.0)
     profile[: first + 1] = np.inf
     k = int(np.argmax(profile <= delta))

@@ -1946,7 +1946,8 @@ def _past_ceiling(steps: tuple, deltas: dict, first: dict, state: tuple, splits:
         lowest = (floors.get(direction) or [0.0])[0] if binding else value
         if (lowest + offsets[direction] >= ceiling
                 and not (binding and splits and rare.split_epsilon(steps, direction, deltas[direction], value))):
-            (set() if bound is None else bound).update(d for d in first if first[d][1])
+            if bound is not None:
+                bound.update(d for d in first if first[d][1])
             return True
     return False
 
