@@ -151,6 +151,25 @@ def test_each_step_dominates_its_exact_split_whatever_the_rounding(case):
         assert computed[0] <= exact[0] * (1 + mp.mpf("1e-9")) + NEGLIGIBLE * points.size
 
 
+@settings(max_examples=60, deadline=None)
+@given(steps_on_grids())
+def test_bounds_of_two_halves_side_by_side_are_the_bounds_of_the_whole(case):
+    # Long grids are bounded in two halves on two threads (the second half on the
+    # accounting's thread), sharing one cut: every value is the one of the whole grid,
+    # to the last bit, nan and infinities included.
+    sigma, q, direction, points = case
+    whole = pld._bounds_of_bins(sigma, q, direction, points)
+    saved = pld._HALVED_BOUNDS, pld._core_idle
+    pld._HALVED_BOUNDS, pld._core_idle = 2, lambda: True
+    try:
+        halves = pld._bin_bounds(sigma, q, direction, points)
+    finally:
+        pld._HALVED_BOUNDS, pld._core_idle = saved
+    assert [part.shape for part in halves] == [part.shape for part in whole]
+    for half, part in zip(halves, whole):
+        np.testing.assert_array_equal(half, part)
+
+
 def test_the_rounded_masses_split_as_they_come_fall_below_the_exact_split():
     """The check has teeth: splitting the rounded masses without bounds puts less mass
     above a point than the exact split does (by 6.5e-7 of it), where the bounded split

@@ -7,6 +7,7 @@ import pytest
 
 from dpoptim.accounting import epsilon, max_steps
 from dpoptim.accounting import pld as pld_module
+from dpoptim.accounting import rare
 
 DELTA = 1e-5
 LEDGERS = [
@@ -20,6 +21,19 @@ def fresh(monkeypatch, cores):
     monkeypatch.setattr(pld_module, "_usable_cores", lambda: cores)
     pld_module._noted_pld_epsilon.cache_clear()
     pld_module._prefix_cache.clear()
+    rare._split_epsilon.cache_clear()
+
+
+def spied_threads(monkeypatch, module, name) -> list:
+    """The names of the threads that run ``module.name`` from now on."""
+    threads, function = [], getattr(module, name)
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return function(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return threads
 
 
 def assert_same_side_by_side(monkeypatch, runs, delta, spied):
@@ -113,6 +127,25 @@ def test_the_stages_side_by_side_give_the_same_epsilon(monkeypatch):
     assert pld_module.pld_epsilon(runs, delta) == alone
     assert any(name.startswith("dpoptim-accounting") for name in threads)
     assert threading.current_thread().name in threads
+
+
+def test_a_split_near_epsilons_zero_finds_its_bins_on_both_threads_with_the_same_epsilon(monkeypatch):
+    # A calibration's point near epsilon's zero (q 2.6e-6 over 433 steps, delta 3.8e-4):
+    # removal's split tries bins coarser than its spread asks for (rare._settled_coarser),
+    # the finer of them found on the accounting thread beside the first, and bounds its
+    # bulks' bins in two halves, one on each thread (pld._bin_bounds). Alone, both run
+    # on one thread; the value is the same.
+    runs, delta = [(0.3101554, 2.586212085889697e-06, 433)], 3.839131344258445e-4
+    fresh(monkeypatch, 1)
+    alone = pld_module.pld_epsilon(runs, delta)
+    fresh(monkeypatch, 2)
+    splits = spied_threads(monkeypatch, rare, "_split_on")
+    bounds = spied_threads(monkeypatch, pld_module, "_bounds_of_bins")
+    assert pld_module.pld_epsilon(runs, delta) == alone
+    for threads in (splits, bounds):
+        assert any(name.startswith("dpoptim-accounting") for name in threads)
+        assert threading.current_thread().name in threads
+    assert pld_module._sides_running[0] == 0
 
 
 def test_max_steps_is_the_same_side_by_side(monkeypatch):

@@ -9,10 +9,18 @@ the spread does move epsilon, where rounding decides, and where the bulks are sm
 """
 
 import math
+import threading
 
 import pytest
 
-from dpoptim.accounting import rare
+from dpoptim.accounting import pld, rare
+
+
+@pytest.fixture(autouse=True)
+def one_after_the_other(monkeypatch):
+    """The order in which the bins are tried, as these tests follow it: on an idle core the
+    pair above is found ahead beside the first pair (see the tests at the end)."""
+    monkeypatch.setattr(pld, "_core_idle", lambda: False)
 
 
 def schedule(sigmas, rates, runs, steps):
@@ -166,3 +174,48 @@ def test_where_the_finer_coarse_bins_do_not_fit_the_next_coarser_pair_is_compare
         one = len(steps) == 1
         assert found == ((1.0 + 2.0**-14, False, None) if settles and one else None)
         assert calls == ([2.0, 1.0, 4.0] if one else [2.0, 1.0]) and set(tried) == set(calls)
+
+
+@pytest.mark.parametrize("answers", [
+    {2.0: (1.0 + 2.0**-13, False, None), 1.0: (1.0, False, None)},  # settled
+    {2.0: (1.0 + 2.0**-11, False, None), 1.0: (1.0, False, None)},  # not settled
+    {2.0: (1.0, True, None), 1.0: (1.0, False, None)},  # rounding decides on the coarser bins
+    {2.0: rare._TOO_WIDE, 1.0: rare._TOO_WIDE},  # no coarser answer at all
+    {2.0: None, 1.0: (1.0, False, None)},  # no bulk left
+    {2.0: (1.0 + 2.0**-14, False, None), 1.0: rare._TOO_WIDE, 4.0: (1.0 + 2.0**-13, False, None)},  # the pair above
+    {2.0: (1.0 + 2.0**-14, False, None), 1.0: rare._TOO_WIDE, 4.0: (1.0, True, None)},
+])
+@pytest.mark.parametrize("runs", [1, 2])
+def test_bins_found_ahead_on_an_idle_core_give_what_one_after_the_other_gives(monkeypatch, answers, runs):
+    # For one run, the bins above the pair (asked for where the finer of the pair does not
+    # fit) are split on the accounting thread while this one splits the pair. What is
+    # answered, and what the caller is handed as tried, are those of the bins tried one
+    # after the other: found ahead and not asked for, they are left out of both.
+    steps = ((0.31, 5.8e-6, 263), (0.32, 5.8e-6, 263))[:runs]
+    answers = {4.0: (1.0 + 2.0**-12, False, None), **answers}
+    monkeypatch.setattr(rare, "_widest_bulk", lambda *args: rare._COARSER_BINS)
+    results = []
+    for idle in (False, True):
+        monkeypatch.setattr(pld, "_core_idle", lambda idle=idle: idle)
+        calls, threads, tried = [], set(), {}
+        split_on = fake_split_on(answers, calls)
+        monkeypatch.setattr(rare, "_split_on", lambda *args, **kwargs: threads.add(
+            threading.current_thread().name) or split_on(*args, **kwargs))
+        found = rare._settled_coarser(steps, "remove", 1e-6, (0.25, 1.0), (None, 0.5), 64.0, None,
+                                      (2**19, None, False), tried)
+        results.append((found, tried))
+        assert any(name.startswith("dpoptim-accounting") for name in threads) == (idle and runs == 1)
+        assert pld._sides_running[0] == 0
+    assert results[1] == results[0]
+
+
+def test_no_bins_are_found_ahead_where_the_first_surely_does_not_fit(monkeypatch):
+    # Its bulk spans more bins than the window holds: the first answers at once that it
+    # does not fit, and nothing else is asked for.
+    monkeypatch.setattr(pld, "_core_idle", lambda: True)
+    monkeypatch.setattr(rare, "_widest_bulk", lambda *args: 2**20)
+    calls = []
+    monkeypatch.setattr(rare, "_split_on", fake_split_on({2.0: rare._TOO_WIDE}, calls))
+    assert rare._settled_coarser(((0.31, 5.8e-6, 263),), "remove", 1e-6, (0.25, 1.0), (None, 0.5), 64.0, None,
+                                 (2**19, None, True), {}) is None
+    assert calls == [2.0]

@@ -238,7 +238,7 @@ def _settled_coarser(steps: tuple, direction: str, delta: float, spacings: tuple
     asked bins do not fit (else it goes on to coarser ones). Tried only where a bulk spans
     :data:`_COARSER_BINS` bins or more at ``asked``, and ``coarse`` is at least
     :data:`_COARSER_RATIO` times the spacing the caller would compose at. ``tried``
-    receives each spacing's answer.
+    receives each spacing's answer (the pair above found ahead: :func:`_ahead_worth_it`).
 
     The spread test bounds how far connect-the-dots spreads the bulk, not how much that
     moves epsilon: where a rare tail step decides it, the tails read the bulk's profile
@@ -249,14 +249,12 @@ def _settled_coarser(steps: tuple, direction: str, delta: float, spacings: tuple
     smaller answer is taken (both are sound upper bounds). 100 one-step runs at q 6.4e-6
     to 4.3e-6, delta 1.1e-5: bins 8 times coarser than asked give 4.56334e-5 in 1.8 s,
     the asked ones 4.56361e-5 in 23 s. Where the asked bins do not fit and the caller
-    would answer None, a settled answer on coarser bins is as tight, and it spared that
-    ledger the split on 2^21 points that followed. Where bins ``coarse`` do not fit
-    either, for one run, bins ``4 coarse`` and ``2 coarse`` are compared: near epsilon's
-    zero (sigma 0.31, q 5.8e-6, 263 steps, delta 6e-4, where bins of 2.4e-7 were too
-    many) they agreed to 1.5e-5 of epsilon, as the scale above had (to 5e-9), and the
-    grids that answered instead reached the same value in 0.45 s more. Not for several
-    runs: 50 one-step pairs at q 1.9e-4 to 6.4e-5 (delta 2.8e-4) reported 0.46% more
-    than the grids, whose answer lies 0.024% above the rigorous lower bound."""
+    would answer None, a settled answer on coarser bins is as tight (it spared that
+    ledger a split on 2^21 points). Where bins ``coarse`` do not fit either, for one
+    run, bins ``4 coarse`` and ``2 coarse`` are compared: near epsilon's zero (sigma 0.31,
+    q 5.8e-6, 263 steps, delta 6e-4) they agreed to 1.5e-5 of epsilon, as the scale above
+    had, and the grids answered the same 0.45 s later. Not for several runs: 50 one-step
+    pairs at q 1.9e-4 to 6.4e-5 (delta 2.8e-4) reported 0.46% more than the grids."""
     asked, coarse = spacings
     points, before, none = window
     widest = _widest_bulk(steps, direction, delta, asked, ends)
@@ -267,12 +265,23 @@ def _settled_coarser(steps: tuple, direction: str, delta: float, spacings: tuple
     if not coarse >= _COARSER_RATIO * asked:
         return None
 
+    known: dict = {}  # spacing -> the split there, found ahead
+
+    def split(h: float):
+        return _split_on(steps, direction, delta, h, ends, scale, dtype, points, before=before)
+
     def answer(h: float):
-        found = tried[h] = _split_on(steps, direction, delta, h, ends, scale, dtype, points, before=before)
+        found = tried[h] = known[h] if h in known else split(h)
         return found if found is not None and found is not _TOO_WIDE and not found[1] else None
 
-    wider = answer(2.0 * coarse)
-    finer = None if wider is None else answer(coarse)
+    def pair() -> tuple:  # the coarser pair, one after the other
+        wider = answer(2.0 * coarse)
+        return wider, None if wider is None else answer(coarse)
+
+    if len(steps) == 1 and _ahead_worth_it(steps, direction, delta, 2.0 * coarse, ends, window):
+        (wider, finer), known[4.0 * coarse] = _pld._beside(pair, lambda: split(4.0 * coarse))
+    else:
+        wider, finer = pair()
     if wider is not None and tried[coarse] is _TOO_WIDE and len(steps) == 1:  # the next coarser pair (one run)
         wider, finer = answer(4.0 * coarse), wider
     if wider is None or finer is None:
@@ -280,6 +289,21 @@ def _settled_coarser(steps: tuple, direction: str, delta: float, spacings: tuple
     if not wider[0] - finer[0] <= _SETTLED_RISE * finer[0]:
         return None
     return min(wider, finer, key=lambda found: found[0])
+
+
+def _ahead_worth_it(steps: tuple, direction: str, delta: float, h: float, ends: tuple, window: tuple) -> bool:
+    """For :func:`_settled_coarser` (one run): whether to split on the bins above the pair
+    (``2 h``), which it asks for where the finer of the pair does not fit, on the
+    accounting thread while this one splits on the pair: where a core is idle and the
+    first of the pair (``h``) may fit its window (where it surely does not, it answers at
+    once and nothing else is asked for). Twice coarser than the pair, they cost less than
+    its first, and where they are not asked for only the idle core's time is lost; the
+    answer is split as the tries one after the other would split it. The finer of the
+    pair is not split ahead: where the first answers nothing (rounding decides it, as
+    for one step at sigma 268, q 1.8e-3), it is not asked for, and it costs the most."""
+    points, before, _ = window
+    return (_pld._core_idle() and _widest_bulk(steps, direction, delta, h, ends) <= points
+            and not _known_too_wide(before, ends, h, points))
 
 
 def _widest_bulk(steps: tuple, direction: str, delta: float, h: float, ends: tuple) -> int:
