@@ -148,6 +148,31 @@ def test_a_split_near_epsilons_zero_finds_its_bins_on_both_threads_with_the_same
     assert pld_module._sides_running[0] == 0
 
 
+def test_a_direction_split_beside_the_grid_is_sized_anew_only_where_it_can_set_epsilon(monkeypatch):
+    # sigma 0.41, q 2e-6 over 3*10^7 steps, delta 0.077: both directions are split
+    # beside the grid's answers, side by side. Addition's split, on the grid sized for
+    # the grid's answer, lies below removal's, which needs no other: it is not sized anew
+    # for its own answer (a quarter of a second more, for a value that cannot be reported).
+    # On one core, one direction after the other, the value is the same.
+    runs, delta = [(0.4106191, 1.983911397450213e-06, 29658712)], 0.07662193397685944
+    fresh(monkeypatch, 1)
+    alone = pld_module.pld_epsilon(runs, delta)
+    fresh(monkeypatch, 2)
+    beside, calls, split, split_beside = [], [], rare.split_epsilon, pld_module._split_beside
+    monkeypatch.setattr(rare, "split_epsilon", lambda steps, direction, delta, guess, again=True, *args, **kwargs: (
+        calls.append((direction, again, bool(beside))) or split(steps, direction, delta, guess, again, *args, **kwargs)))
+
+    def spied_beside(*args):
+        beside.append(1)
+        try:
+            return split_beside(*args)
+        finally:
+            beside.pop()
+    monkeypatch.setattr(pld_module, "_split_beside", spied_beside)
+    assert pld_module.pld_epsilon(runs, delta) == alone
+    assert {(direction, again) for direction, again, inside in calls if inside} == {("remove", False), ("add", False)}
+
+
 def test_max_steps_is_the_same_side_by_side(monkeypatch):
     spent = [(1.0 + 0.02 * i, 0.01, 20) for i in range(70)]
     fresh(monkeypatch, 1)

@@ -1762,16 +1762,24 @@ def _split_beside(steps: tuple, deltas: dict, epsilons: dict, grid: _Grid, shift
     needed = grid.spacing * 2.0 ** math.floor(0.5 * math.log2(_SPREAD_SHARE / _spread_share(steps, grid.spacing)))
     spacings = (min(needed, grid.spacing / 2.0), grid.spacing / 2.0)
 
-    def smaller(direction: str) -> float:
+    def smaller(direction: str, again: bool = True) -> float:
         if not found[direction] > 0.0:
             return found[direction]
-        split = rare.split_epsilon(steps, direction, deltas[direction], found[direction], points=grid.n,
+        split = rare.split_epsilon(steps, direction, deltas[direction], found[direction], again, points=grid.n,
                                    spacings=spacings)
         return found[direction] if split is None else min(found[direction], split[0])
 
     larger, lesser = sorted((found[d] + offsets[d] for d in found), reverse=True)
     if _side_by_side() and lesser >= _SIDE_BY_SIDE_SHARE * larger:  # both likely to matter: side by side
-        return _both_directions(smaller)
+        # on the grids sized for the answers above first; where both are sized anew, on to
+        # the end side by side, else the one sized anew only where it can set the maximum
+        first = _both_directions(lambda direction: smaller(direction, False))
+        anew = [d for d in found if rare.sized_again(first[d], found[d])]
+        if len(anew) == 2:
+            return _both_directions(smaller)
+        if not anew or first[anew[0]] + offsets[anew[0]] <= first[_other(anew[0])] + offsets[_other(anew[0])]:
+            return first
+        return {**first, anew[0]: smaller(anew[0])}
     for direction in sorted(found, key=lambda d: found[d] + offsets[d], reverse=True):
         if found[direction] + offsets[direction] >= found[_other(direction)] + offsets[_other(direction)]:
             found[direction] = smaller(direction)  # (below the other's final value, it cannot set the maximum)

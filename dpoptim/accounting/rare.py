@@ -140,10 +140,16 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, agai
         if found is None:
             return None if strict else answer
         answer, window = found[:2], found[2] if len(found) > 2 else None
-        if not (again and 0.0 < found[0] < scale) or found[0] < enough:
+        if not (again and sized_again(found[0], guess)) or found[0] < enough:
             break
         guess = found[0]
     return answer
+
+
+def sized_again(answer: float, guess: float) -> bool:
+    """Whether :func:`split_epsilon` sizes its grid anew for ``answer``, found on the grid
+    sized for ``guess``: where it lies below the power of two the guess was sized by."""
+    return 0.0 < answer < 2.0 ** math.floor(math.log2(guess))
 
 
 @functools.lru_cache(maxsize=16)
