@@ -219,3 +219,14 @@ def test_no_bins_are_found_ahead_where_the_first_surely_does_not_fit(monkeypatch
     assert rare._settled_coarser(((0.31, 5.8e-6, 263),), "remove", 1e-6, (0.25, 1.0), (None, 0.5), 64.0, None,
                                  (2**19, None, True), {}) is None
     assert calls == [2.0]
+
+
+@pytest.mark.parametrize("answer, guess, again", [
+    (0.3, 0.9, True),  # below 0.5, the power of two 0.9 was sized by
+    (0.5, 0.9, False),
+    (0.0, 0.9, False),  # a sound 0 needs no other grid
+    (math.inf, math.inf, False),  # no split answers an infinite guess (beside the grid: its answer)
+    (0.3, math.inf, False),
+])
+def test_a_split_is_sized_anew_only_below_the_power_of_two_of_its_guess(answer, guess, again):
+    assert rare.sized_again(answer, guess) is again

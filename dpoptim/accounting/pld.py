@@ -2380,13 +2380,15 @@ def _spread(function, items: list) -> list:
 
 
 def _core_idle() -> bool:
-    """Whether :func:`_spread` would run work on the background thread: the process may
-    use two cores, no two sides run, and this is not that thread (checked here too, so
-    that nothing on it ever waits for work queued behind itself)."""
+    """Whether work may go to the background thread now (:func:`_spread`, :func:`_beside`):
+    the process may use two cores, no two sides run, and this is not that thread (checked
+    here as well as in :func:`_side_by_side`, which tests replace, so that nothing on it
+    ever waits for work queued behind itself)."""
     return _sides_running[0] <= 1 and _side_by_side() and not _on_accounting_thread()
 
 
 def _on_accounting_thread() -> bool:
+    """Whether this is the accounting's background thread."""
     return threading.current_thread().name.startswith(_THREAD_PREFIX)
 
 

@@ -148,8 +148,9 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, agai
 
 def sized_again(answer: float, guess: float) -> bool:
     """Whether :func:`split_epsilon` sizes its grid anew for ``answer``, found on the grid
-    sized for ``guess``: where it lies below the power of two the guess was sized by."""
-    return 0.0 < answer < 2.0 ** math.floor(math.log2(guess))
+    sized for ``guess``: where it lies below the power of two the guess was sized by (and
+    both are finite and above 0; no split answers an infinite guess)."""
+    return 0.0 < answer < math.inf and 0.0 < guess < math.inf and answer < 2.0 ** math.floor(math.log2(guess))
 
 
 @functools.lru_cache(maxsize=16)
