@@ -159,8 +159,11 @@ def test_a_direction_split_beside_the_grid_is_sized_anew_only_where_it_can_set_e
     alone = pld_module.pld_epsilon(runs, delta)
     fresh(monkeypatch, 2)
     beside, calls, split, split_beside = [], [], rare.split_epsilon, pld_module._split_beside
-    monkeypatch.setattr(rare, "split_epsilon", lambda steps, direction, delta, guess, again=True, *args, **kwargs: (
-        calls.append((direction, again, bool(beside))) or split(steps, direction, delta, guess, again, *args, **kwargs)))
+
+    def spied_split(steps, direction, delta, guess, again=True, *args, **kwargs):
+        calls.append((direction, again, bool(beside)))
+        return split(steps, direction, delta, guess, again, *args, **kwargs)
+    monkeypatch.setattr(rare, "split_epsilon", spied_split)
 
     def spied_beside(*args):
         beside.append(1)
