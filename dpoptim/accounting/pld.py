@@ -3632,7 +3632,8 @@ def _bin_bounds(sigma: float, q: float, direction: str, losses: np.ndarray) -> t
     m = losses.size // 2
     if losses.size < _HALVED_BOUNDS or not _core_idle():
         return _bounds_of_bins(sigma, q, direction, losses)
-    low, high = _spread(lambda part: _bounds_of_bins(sigma, q, direction, part), [losses[:m], losses[m - 1:]])
+    low, high = _beside(lambda: _bounds_of_bins(sigma, q, direction, losses[:m]),
+                        lambda: _bounds_of_bins(sigma, q, direction, losses[m - 1:]))
     bins = [np.concatenate([below[:m], above[1:]]) for below, above in zip(low[:2], high[:2])]
     return (*bins, *(np.concatenate([below, above[1:]]) for below, above in zip(low[2:], high[2:])))
 
