@@ -2,9 +2,11 @@
 
 import multiprocessing
 import threading
+import time
 
 import pytest
 
+from dpoptim import background
 from dpoptim.accounting import epsilon, max_steps
 from dpoptim.accounting import pld as pld_module
 from dpoptim.accounting import rare
@@ -174,6 +176,105 @@ def test_a_direction_split_beside_the_grid_is_sized_anew_only_where_it_can_set_e
     monkeypatch.setattr(pld_module, "_split_beside", spied_beside)
     assert pld_module.pld_epsilon(runs, delta) == alone
     assert {(direction, again) for direction, again, inside in calls if inside} == {("remove", False), ("add", False)}
+
+
+def test_a_split_on_the_accounting_thread_offers_its_tails_to_the_waiting_caller(monkeypatch):
+    # sigma 0.565, q 1.4e-5 over 10^8 steps, delta 8.9e-11: removal's split ends first, and
+    # this thread waits while addition's split composes the bulks' profile on the
+    # accounting thread. Meanwhile it reads the tails against the other steps' profile,
+    # offered to it (dpoptim.background.offer). On one core, the same value. (The
+    # accounting thread's profiles start once this thread waits, as they do on an idle
+    # machine, so that what this thread takes does not depend on the machine's load.)
+    runs, delta = [(0.5647371207289111, 1.436606182644857e-05, 10**8)], 8.927578148887865e-11
+    fresh(monkeypatch, 1)
+    alone = pld_module.pld_epsilon(runs, delta)
+    fresh(monkeypatch, 2)
+    seen, tail_terms, term_profile = [], rare._tail_terms, rare._term_profile
+
+    def spied_tails(*args, **kwargs):
+        seen.append((threading.current_thread().name, background.serving(pld_module._THREAD_PURPOSE)))
+        return tail_terms(*args, **kwargs)
+
+    def gated_profile(*args, **kwargs):
+        deadline = time.monotonic() + 10
+        while (pld_module._on_background_thread() and not background.waiting(pld_module._THREAD_PURPOSE)
+               and time.monotonic() < deadline):
+            time.sleep(0.001)
+        return term_profile(*args, **kwargs)
+
+    monkeypatch.setattr(rare, "_tail_terms", spied_tails)
+    monkeypatch.setattr(rare, "_term_profile", gated_profile)
+    assert pld_module.pld_epsilon(runs, delta) == alone
+    assert (threading.current_thread().name, True) in seen  # offered, and run here
+    assert pld_module._sides_running[0] == 0
+    assert not background.serving(pld_module._THREAD_PURPOSE)
+
+
+def on_the_accounting_thread(function):
+    """``function()`` run on the accounting thread while this caller waits for it."""
+    purpose = pld_module._THREAD_PURPOSE
+    return background.wait(purpose, background.executor(purpose).submit(function))
+
+
+def test_a_caller_running_offered_work_counts_as_the_accounting_thread(monkeypatch):
+    # Work the accounting thread offers its waiting caller must not queue more work
+    # behind that thread, which waits for it: on the caller it counts as that thread.
+    fresh(monkeypatch, 2)
+    seen = []
+
+    def offered():
+        seen.append((threading.current_thread().name, pld_module._on_accounting_thread(), pld_module._core_idle(),
+                     pld_module._sides_running[0]))
+        return pld_module._both_directions(lambda direction: threading.current_thread().name)
+
+    def until_taken():
+        deadline = time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def work():
+        while not background.waiting(pld_module._THREAD_PURPOSE):
+            time.sleep(0.001)
+        return pld_module._beside(until_taken, offered)
+
+    pld_module._count_sides(1)  # (as while one direction runs there)
+    try:
+        _, directions = on_the_accounting_thread(work)
+    finally:
+        pld_module._count_sides(-1)
+    here = threading.current_thread().name
+    assert seen == [(here, True, False, 2)]  # taken by this caller, as a second side
+    assert directions == {"remove": here, "add": here}  # both directions here, one after the other
+    assert pld_module._sides_running[0] == 0
+
+
+def test_work_beside_that_is_not_needed_is_not_computed(monkeypatch):
+    # _beside's second is needed only where the first's answer asks for it. One after the
+    # other it is then never run; offered from the accounting thread, it is withdrawn
+    # before anyone takes it; started on the accounting thread, its answer is dropped.
+    fresh(monkeypatch, 2)
+    ran = []
+
+    def second():
+        ran.append(threading.current_thread().name)
+        return 2
+
+    def needed(first):
+        return first is not None
+
+    here = threading.current_thread().name
+    future = background.executor(pld_module._THREAD_PURPOSE).submit(  # no caller waits: offered, then withdrawn
+        pld_module._beside, lambda: None, second, needed)
+    assert future.result(timeout=60) == (None, None)
+    assert on_the_accounting_thread(lambda: "still serving") == "still serving"  # the withdrawn offer is gone
+    assert ran == []
+    assert pld_module._beside(lambda: None, second, needed) == (None, None)  # begun on the accounting thread
+    assert len(ran) == 1 and ran[0].startswith("dpoptim-accounting")
+    monkeypatch.setattr(pld_module, "_core_idle", lambda: False)  # one after the other
+    assert pld_module._beside(lambda: None, second, needed) == (None, None)
+    assert pld_module._beside(lambda: 1, second, needed) == (1, 2)
+    assert ran[1:] == [here]  # only where it was needed
+    assert pld_module._sides_running[0] == 0
 
 
 def test_max_steps_is_the_same_side_by_side(monkeypatch):

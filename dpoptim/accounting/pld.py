@@ -2307,7 +2307,7 @@ def _both_directions(compose, together: bool = True) -> dict:
     and 80-run q schedules 0.46 and 0.37, 0.41 and 0.34 (medians of three, in one
     process). From 2^19 points on the transforms dominate: no clear difference either way.
     """
-    if not (together and _side_by_side()):
+    if not (together and _side_by_side() and not _on_accounting_thread()):
         return {direction: compose(direction) for direction in (_REMOVE, _ADD)}
     _count_sides(2)
     try:
@@ -2316,23 +2316,53 @@ def _both_directions(compose, together: bool = True) -> dict:
         _count_sides(-2)
         raise
     removed = _counted(compose, _REMOVE)
-    return {_REMOVE: removed, _ADD: added.result()}
+    return {_REMOVE: removed, _ADD: background.wait(_THREAD_PURPOSE, added)}
 
 
-def _beside(first, second) -> tuple:
-    """``(first(), second())``: the second on the accounting's background thread while this
-    one runs the first, where a core is idle (:func:`_core_idle`), else one after the
-    other. While both run they count as two sides, as :func:`_both_directions` counts
-    its directions, so that neither hands work to the other's thread."""
-    if not _core_idle():
-        return first(), second()
+def _beside(first, second, needed=None) -> tuple:
+    """``(first(), second())``, the second on another thread while this one runs the first
+    where one is free, else one after the other; ``needed``: where given, the second is
+    needed only where ``needed(first())`` holds, else None stands for it (one after the
+    other it is then not computed). From the caller's thread, the other is the
+    accounting's background thread, where a core is idle (:func:`_core_idle`), and the
+    two count as two sides, as :func:`_both_directions` counts its directions, so that
+    neither hands work to the other's thread. From that thread, where no two sides run,
+    the second is offered to a caller waiting for it, now or later
+    (:func:`~dpoptim.background.offer`); if none has taken it once the first is done, it
+    is computed here (or withdrawn, where not needed). It counts as a side while a caller
+    runs it."""
+    if _on_background_thread() and _sides_running[0] <= 1:
+        offered = background.offer(_THREAD_PURPOSE, lambda: _taken(second))
+        try:
+            mine = first()
+        except BaseException:
+            offered.withdraw()
+            raise
+        if needed is not None and not needed(mine):
+            offered.withdraw()
+            return mine, None
+        return mine, offered.result()
+    if _on_background_thread() or not _core_idle():
+        mine = first()
+        return mine, second() if needed is None or needed(mine) else None
     _count_sides(2)
     try:
         later = background.executor(_THREAD_PURPOSE).submit(_counted, lambda _: second(), None)
     except BaseException:
         _count_sides(-2)
         raise
-    return _counted(lambda _: first(), None), later.result()
+    mine = _counted(lambda _: first(), None)
+    theirs = background.wait(_THREAD_PURPOSE, later)
+    return mine, theirs if needed is None or needed(mine) else None
+
+
+def _taken(function):
+    """``function()``, offered by the background thread (:func:`_beside`): counted as a side
+    where a caller runs it, as that thread's own work where it does."""
+    if _on_background_thread():
+        return function()
+    _count_sides(1)
+    return _counted(lambda _: function(), None)
 
 
 def _counted(compose, direction: str):
@@ -2368,27 +2398,40 @@ if hasattr(os, "register_at_fork"):
 
 
 def _spread(function, items: list) -> list:
-    """``[function(item) for item in items]``, the second half on the accounting's
-    background thread where that is idle (a direction composed alone, as in an extended
-    precision refinement, where mixing the groups' rows is most of the time): numpy's
-    array arithmetic releases the interpreter lock, and each item is computed alone."""
-    if len(items) < 2 or not _core_idle():
+    """``[function(item) for item in items]``, the second half on another thread where one
+    is free (:func:`_beside`: a direction composed alone, as in an extended precision
+    refinement, where mixing the groups' rows is most of the time): numpy's array
+    arithmetic releases the interpreter lock, and each item is computed alone."""
+    if len(items) < 2:
         return [function(item) for item in items]
     half = len(items) // 2
-    later = background.executor(_THREAD_PURPOSE).submit(lambda: [function(item) for item in items[half:]])
-    return [function(item) for item in items[:half]] + later.result()
+    first, second = _beside(lambda: [function(item) for item in items[:half]],
+                            lambda: [function(item) for item in items[half:]])
+    return first + second
 
 
 def _core_idle() -> bool:
-    """Whether work may go to the background thread now (:func:`_spread`, :func:`_beside`):
-    the process may use two cores, no two sides run, and this is not that thread (checked
-    here as well as in :func:`_side_by_side`, which tests replace, so that nothing on it
-    ever waits for work queued behind itself)."""
-    return _sides_running[0] <= 1 and _side_by_side() and not _on_accounting_thread()
+    """Whether work handed to :func:`_beside` now runs on another thread at once: no two
+    sides run, and from a caller's thread the process may use two cores (the accounting
+    thread takes it), from the accounting thread a caller waits for it (and takes what it
+    offers: :func:`~dpoptim.background.offer`). Which thread this is, is checked here as
+    well as in :func:`_side_by_side`, which tests replace, so that nothing on the
+    accounting thread ever waits for work queued behind itself."""
+    if _sides_running[0] > 1:
+        return False
+    if _on_background_thread():
+        return background.waiting(_THREAD_PURPOSE)
+    return _side_by_side() and not _on_accounting_thread()
 
 
 def _on_accounting_thread() -> bool:
-    """Whether this is the accounting's background thread."""
+    """Whether this is the accounting's background thread, or a caller running work that
+    thread handed back (:func:`~dpoptim.background.serving`)."""
+    return _on_background_thread() or background.serving(_THREAD_PURPOSE)
+
+
+def _on_background_thread() -> bool:
+    """Whether this is the accounting's background thread itself."""
     return threading.current_thread().name.startswith(_THREAD_PREFIX)
 
 

@@ -442,15 +442,9 @@ def _split_on(steps: tuple, direction: str, delta: float, h: float, ends: tuple,
     if any(bulk is None for bulk in bulks):
         return _TOO_WIDE
     transforms: dict = {}
-    alone = _term_profile(_factors(bulks), h, delta, dtype, transforms=transforms, points=points)
-    if alone is None:
-        return _TOO_WIDE
-    tailed = [r for r in range(len(steps)) if lows[r] > bottoms[r] or highs[r] < tops[r]]
-    shared = (_term_profile(_factors(bulks), h, delta, dtype, 0.0, transforms, points)
-              if len(tailed) > _OWN_PROFILES else None)
-    terms = _tail_terms(steps, direction, bulks, (bottoms, lows, highs, tops), (h, delta, dtype, transforms, points),
-                        shared, scale)
-    if terms is None:
+    alone, terms = _alone_and_tails(steps, direction, bulks, (bottoms, lows, highs, tops),
+                                    (h, delta, dtype, transforms, points), scale)
+    if alone is None or terms is None:
         return _TOO_WIDE
     readers, log_finite, weight = terms
     if weight * weight / 2.0 > _SPILL_SHARE * delta:
@@ -462,6 +456,31 @@ def _split_on(steps: tuple, direction: str, delta: float, h: float, ends: tuple,
     if found is not None and (found[1] or two is not None) and readers:  # (on two scales the retilt is cheap)
         found = _retilted(found, alone, readers, constant, delta, (h, dtype, transforms, points))
     return None if found is None else (*found, (ends, alone.width if two is None else 0.0))
+
+
+def _alone_and_tails(steps: tuple, direction: str, bulks: list, ends: tuple, grid: tuple, scale: float) -> tuple:
+    """For :func:`_split_on`: ``(alone, terms)``, the profile of the term with no tail step
+    (:func:`_term_profile`) and :func:`_tail_terms`, side by side where another thread is
+    free (:func:`~dpoptim.accounting.pld._beside`): neither needs the other (the tails are
+    not read where ``alone`` is None: its window does not fit). They share
+    ``transforms``, where a transform both ask for at once is computed twice, to the same
+    values. ``ends``: ``(bottoms, lows, highs, tops)``, grid indices per run; ``grid``:
+    ``(h, delta, dtype, transforms, points)``.
+
+    Where one direction's split runs on the accounting thread while the caller, done with
+    the other, waits for it (sigma 0.565, q 1.4e-5 over 10^8 steps, delta 8.9e-11: two
+    profiles of 0.15 to 0.19 s each), the caller reads the tails meanwhile."""
+    h, delta, dtype, transforms, points = grid
+    bottoms, lows, highs, tops = ends
+    tailed = sum(1 for r in range(len(steps)) if lows[r] > bottoms[r] or highs[r] < tops[r])
+
+    def tails():
+        shared = (_term_profile(_factors(bulks), h, delta, dtype, 0.0, transforms, points)
+                  if tailed > _OWN_PROFILES else None)
+        return _tail_terms(steps, direction, bulks, ends, grid, shared, scale)
+
+    return _pld._beside(lambda: _term_profile(_factors(bulks), h, delta, dtype, transforms=transforms, points=points),
+                        tails, lambda alone: alone is not None)
 
 
 def _known_too_wide(before: tuple | None, ends: tuple, h: float, points: int) -> bool:
