@@ -4,6 +4,7 @@ import multiprocessing
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from dpoptim import background
@@ -100,13 +101,23 @@ def test_a_direction_refined_alone_spreads_its_groups_and_transforms_over_both_t
     fresh(monkeypatch, 1)
     alone = pld_module.pld_epsilon(runs, 3.5e-12)
     fresh(monkeypatch, 2)
-    mixed, workers = [], []
-    mix, count = pld_module._mixed_rows, pld_module._transform_workers
+    mixed, workers, spreading = [], [], []
+    mix, count, spread = pld_module._mixed_rows, pld_module._transform_workers, pld_module._spread
+
+    def spied_spread(function, items):
+        spreading.append(threading.current_thread().name)
+        try:
+            return spread(function, items)
+        finally:
+            spreading.pop()
+
+    monkeypatch.setattr(pld_module, "_spread", spied_spread)
     monkeypatch.setattr(pld_module, "_mixed_rows", lambda *args: mixed.append(
-        (threading.current_thread().name, pld_module._sides_running[0])) or mix(*args))
+        (threading.current_thread().name, bool(spreading))) or mix(*args))
     monkeypatch.setattr(pld_module, "_transform_workers", lambda: workers.append(count()) or workers[-1])
     assert pld_module.pld_epsilon(runs, 3.5e-12) == alone
-    assert any(name.startswith("dpoptim-accounting") and sides <= 1 for name, sides in mixed)  # spread
+    spread_on = {"accounting" if name.startswith("dpoptim-accounting") else name for name, inside in mixed if inside}
+    assert spread_on == {threading.current_thread().name, "accounting"}  # a spread's rows on both threads
     assert 1 in workers and 2 in workers
     assert pld_module._sides_running[0] == 0
 
@@ -203,11 +214,45 @@ def test_a_split_on_the_accounting_thread_offers_its_tails_to_the_waiting_caller
         return term_profile(*args, **kwargs)
 
     monkeypatch.setattr(rare, "_tail_terms", spied_tails)
-    monkeypatch.setattr(rare, "_term_profile", gated_profile)
+    monkeypatch.setattr(rare, "_term_profile", gated_profile)  # (the tails are offered before it starts)
     assert pld_module.pld_epsilon(runs, delta) == alone
     assert (threading.current_thread().name, True) in seen  # offered, and run here
     assert pld_module._sides_running[0] == 0
     assert not background.serving(pld_module._THREAD_PURPOSE)
+
+
+def test_a_refinement_composes_its_own_tilt_in_extended_precision_ahead_with_the_same_epsilon(monkeypatch):
+    # sigma 0.103, q 2.2e-6 over 10^8 steps, delta 2.1e-12 (epsilon 11,226): removal is
+    # refined at its own tilt, in float64 and then, where rounding decides that, in
+    # extended precision. On an idle core the extended composition starts beside the
+    # float64 one (on 2^20 points here, the threshold lowered to reach them) and is used
+    # where the tries ask for it; on one core, one after the other, the same value.
+    monkeypatch.setattr(pld_module, "_AHEAD_POINTS", 2**20)
+    runs, delta = [(0.103, 2.2e-6, 10**8)], 2.1e-12
+    fresh(monkeypatch, 1)
+    alone = pld_module.pld_epsilon(runs, delta)
+    fresh(monkeypatch, 2)
+    ahead = spied_threads(monkeypatch, pld_module, "_attempted")
+    found, composed_here, ahead_or = [], [], pld_module._ahead_or
+
+    def spied_ahead_or(compose, known):
+        def counted(on, dtype):  # what the tries compose themselves
+            composed_here.append((on.tilt, np.dtype(dtype).str))
+            return compose(on, dtype)
+        answer = ahead_or(counted, known)
+
+        def spy(on, dtype):
+            key = (on.tilt, np.dtype(dtype).str)
+            if key in known:
+                found.append(key)
+            return answer(on, dtype)
+        return spy
+
+    monkeypatch.setattr(pld_module, "_ahead_or", spied_ahead_or)
+    assert pld_module.pld_epsilon(runs, delta) == alone
+    assert ahead and all(name.startswith("dpoptim-accounting") for name in ahead)
+    assert found and not set(found) & set(composed_here)  # asked for, and not composed again
+    assert pld_module._sides_running[0] == 0
 
 
 def on_the_accounting_thread(function):
