@@ -648,15 +648,18 @@ def _composed_epsilon(parts: list, plan: _Plan, delta: float, budget: float,
     rest = delta - outside - _infinite_mass(parts, H, tilt)
     if rest <= 0:
         return None
-    answer = _inverted(*_composed_profile(parts, plan, low, n, 1.0), rest)
-    if answer is None:
-        return None
     # Whether the error bounds decide the answer: with four times each it would move. (A
     # bound's part of the profile falls off within 1/tilt above where it decides, so its
     # share of delta at the answer says little; a block's, flat in tilted units, makes a
     # tail far above the block's own where the tilt is steep.) Their raising of the blocks'
-    # totals above 1 multiplies delta by as much.
-    answer4 = _inverted(*_composed_profile(parts, plan, low, n, 4.0), rest)
+    # totals above 1 multiplies delta by as much. Both on two threads, where a core is idle.
+    def answer_with(bounds: float) -> float | None:
+        return _inverted(*_composed_profile(parts, plan, low, n, bounds), rest)
+
+    answer, answer4 = _pld._beside(lambda: answer_with(1.0), lambda: answer_with(4.0),
+                                   lambda answer: answer is not None)
+    if answer is None:
+        return None
     excess = sum(times * max(0.0, float(_block_log_mgf(block, H, tilt, np.zeros(1))[0])) for block, times in parts)
     moved = answer4 is None or answer4 > answer + share * abs(answer) + 1e-12
     return answer, not moved and excess <= share
