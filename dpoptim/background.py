@@ -57,8 +57,6 @@ def executor(purpose: str) -> concurrent.futures.ThreadPoolExecutor:
         return _EXECUTORS[key]
 
 
-
-
 class Offer:
     """``function()``, offered by ``purpose``'s thread to the callers waiting for it
     (:func:`offer`): run once, by whichever thread takes it first."""

@@ -131,3 +131,28 @@ def test_two_callers_waiting_at_once_run_every_offer_once():
     assert not any(thread.is_alive() for thread in threads), "a caller hung"
     assert not errors
     assert sorted(ran) == [(name, k, j) for name in "ab" for k in range(100) for j in range(3)]
+
+
+def test_an_offer_after_an_interrupted_caller_left_is_computed_by_the_thread(monkeypatch):
+    # The caller is interrupted (KeyboardInterrupt) while it waits, and leaves; what the
+    # thread offers from then on no caller takes, and the thread computes it itself
+    # rather than wait for it.
+    left, ran = threading.Event(), []
+
+    class Interrupted(type(background._OFFERED)):
+        def wait(self, *args, **kwargs):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(background, "_OFFERED", Interrupted())
+
+    def work():
+        left.wait(10)
+        return background.offer(PURPOSE, lambda: ran.append(threading.current_thread().name) or 4).result()
+
+    future = background.executor(PURPOSE).submit(work)
+    with pytest.raises(KeyboardInterrupt):
+        background.wait(PURPOSE, future)
+    assert not background.waiting(PURPOSE)
+    left.set()
+    assert future.result(timeout=60) == 4
+    assert len(ran) == 1 and ran[0].startswith("dpoptim-" + PURPOSE)
