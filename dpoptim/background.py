@@ -69,22 +69,23 @@ class Offer:
     def result(self):
         """The function's value: computed here where no caller has taken it, else once the
         caller that did is done (its error, if any, raised here)."""
-        with _OFFERED:
-            offers = _OFFERS.get(self.purpose)
-            if offers is not None and self in offers:
-                offers.remove(self)
+        self._unlist()
         self._run(serving=False)
         return self._done.result()
 
     def withdraw(self) -> None:
         """Take the offer back, where the thread needs its value no more: no caller takes
         it from now on, and one that has is waited for."""
+        self._unlist()
+        if not self._taken.acquire(blocking=False):
+            concurrent.futures.wait([self._done])
+
+    def _unlist(self) -> None:
+        """No longer on offer to the callers (where still listed)."""
         with _OFFERED:
             offers = _OFFERS.get(self.purpose)
             if offers is not None and self in offers:
                 offers.remove(self)
-        if not self._taken.acquire(blocking=False):
-            concurrent.futures.wait([self._done])
 
     def _run(self, serving: bool) -> None:
         """Run the function here unless another thread has taken it; ``serving``: this is a

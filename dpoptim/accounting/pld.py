@@ -2457,7 +2457,7 @@ def _core_idle() -> bool:
 
 def _on_accounting_thread() -> bool:
     """Whether this is the accounting's background thread, or a caller running work that
-    thread handed back (:func:`~dpoptim.background.serving`)."""
+    thread offered it (:func:`~dpoptim.background.serving`)."""
     return _on_background_thread() or background.serving(_THREAD_PURPOSE)
 
 
