@@ -255,6 +255,47 @@ def test_a_refinement_composes_its_own_tilt_in_extended_precision_ahead_with_the
     assert pld_module._sides_running[0] == 0
 
 
+@pytest.mark.parametrize("cores", [1, 2])
+def test_the_stages_plan_addition_only_where_removal_has_a_plan(monkeypatch, cores):
+    # Both directions plan on their own sides; where removal has no plan, addition's
+    # stages are never composed (and, one after the other, never planned): no answer.
+    from dpoptim.accounting import staged
+
+    fresh(monkeypatch, cores)
+    planned, answered, plan = [], [], staged._plan
+    monkeypatch.setattr(staged, "_plan", lambda sigma, q, count, direction, *args: planned.append(direction) or (
+        None if direction == pld_module._REMOVE else plan(sigma, q, count, direction, *args)))
+    monkeypatch.setattr(staged, "_staged_answer", lambda *args: answered.append(args) or (1.0, True))
+    deltas = {pld_module._REMOVE: 1e-8, pld_module._ADD: 1e-8}
+    assert staged._both_directions(4.4, 0.033, 10**7, deltas, 1.0, 0.0) is None
+    assert answered == []
+    if cores == 1:
+        assert planned == ["remove"]
+    else:  # (addition may have planned before it learnt of removal's)
+        assert "remove" in planned and set(planned) <= {"remove", "add"}
+    assert pld_module._sides_running[0] == 0
+
+
+def test_an_error_in_removals_plan_reaches_the_caller_and_frees_the_accounting_thread(monkeypatch):
+    from dpoptim.accounting import staged
+
+    fresh(monkeypatch, 2)
+    plan = staged._plan
+
+    def failing(sigma, q, count, direction, *args):
+        if direction == pld_module._REMOVE:
+            raise FloatingPointError("removal's plan failed")
+        return plan(sigma, q, count, direction, *args)
+
+    monkeypatch.setattr(staged, "_plan", failing)
+    deltas = {pld_module._REMOVE: 1e-8, pld_module._ADD: 1e-8}
+    with pytest.raises(FloatingPointError, match="removal's plan failed"):
+        staged._both_directions(4.4, 0.033, 10**7, deltas, 1.0, 0.0)
+    # addition learns that removal ended without a plan and stops: the thread is free
+    assert background.executor(pld_module._THREAD_PURPOSE).submit(lambda: "free").result(timeout=30) == "free"
+    assert pld_module._sides_running[0] == 0
+
+
 def on_the_accounting_thread(function):
     """``function()`` run on the accounting thread while this caller waits for it."""
     purpose = pld_module._THREAD_PURPOSE

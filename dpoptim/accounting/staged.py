@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -265,15 +266,32 @@ def _central_limit_epsilon(sigma: float, q: float, count: int, delta: float) -> 
 
 
 def _both_directions(sigma: float, q: float, count: int, deltas: dict, guess: float, shift: float) -> Staged | None:
-    """:func:`staged_epsilons` planned for ``guess``."""
+    """:func:`staged_epsilons` planned for ``guess``. Each direction plans on its own side;
+    addition goes on only where removal has a plan (its stages are of no use without
+    removal's), and does not plan at all where removal is known to have none. (Removal
+    planned first, alone: σ 0.63, q 0.0044 over 10^8 steps, delta 3.9e-11, 0.04 s before
+    addition, the longer side, began.)"""
     remove = _pld._REMOVE
-    removal_plan = _plan(sigma, q, count, remove, deltas[remove], guess)
-    if removal_plan is None:
-        return None  # (planned first: addition's stages are of no use without removal's)
+    removal_planned, removal_plan = threading.Event(), []
+
+    def refused() -> bool:  # removal's plan ended with none (or failed)
+        return removal_planned.is_set() and (not removal_plan or removal_plan[0] is None)
 
     def compose(direction: str) -> tuple:
         """``(epsilon, precise, a bound only)``; epsilon None where nothing answers."""
-        plan = removal_plan if direction == remove else _plan(sigma, q, count, direction, deltas[direction], guess)
+        if direction == remove:
+            try:
+                removal_plan.append(_plan(sigma, q, count, direction, deltas[direction], guess))
+            finally:  # (set however it ends: addition waits for it)
+                removal_planned.set()
+            plan = removal_plan[0]
+        else:
+            if refused():
+                return None, False, False
+            plan = _plan(sigma, q, count, direction, deltas[direction], guess)
+            removal_planned.wait(_PLAN_WAIT)  # (removal sets it; bounded should removal never start)
+            if refused():
+                return None, False, False
         found = None if plan is None else _staged_answer(sigma, q, count, direction, deltas[direction], plan)
         if found is not None or direction == remove:
             return (None, False, False) if found is None else (*found, False)
@@ -285,6 +303,10 @@ def _both_directions(sigma: float, q: float, count: int, deltas: dict, guess: fl
         return None
     settled = removal_precise and addition_precise and not (bound_only and addition + shift > removal)
     return Staged({remove: removal, _pld._ADD: addition}, settled)
+
+
+#: The most seconds addition waits for removal's plan (:func:`_both_directions`).
+_PLAN_WAIT = 60.0
 
 
 def _chernoff_epsilon(sigma: float, q: float, count: int, direction: str, delta: float, guess: float) -> float | None:
