@@ -740,6 +740,46 @@ def test_one_profile_of_all_the_bulks_bounds_each_runs_profile_of_the_others(see
         assert exact_profile(d_masses, d_losses, x) <= exact_profile(composed, b_losses, x + f) / m * (1 + 1e-12) + 1e-15
 
 
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), runs=st.integers(1, 12), tilted=st.booleans())
+def test_tails_read_together_bound_each_runs_term_as_read_alone(seed, runs, tilted):
+    # Several runs' tails in one reader against one profile D, each run's losses moved by
+    # its shift and its masses weighted: at least the exact sum over the runs of c_r sum_j
+    # t_j D(eps - l_j + f_r), computed directly, and the same as the runs read one by one.
+    rng = np.random.default_rng(seed)
+    h = 2.0**-8
+    bulks = [(int(rng.integers(-4, 1)), rng.random(int(rng.integers(1, 9))) / 8.0, int(rng.integers(1, 3)))
+             for _ in range(3)]
+    profile = rare._term_profile(bulks, h, 1e-12, np.float64, 0.0, {}, 2**14)
+    composed, first = np.ones(1), 0
+    for bulk_first, masses, count in bulks:
+        for _ in range(count):
+            composed, first = np.convolve(composed, masses), first + bulk_first
+    d_losses = (first + np.arange(composed.size)) * h
+    parts = []
+    for _ in range(runs):
+        size = int(rng.integers(0, 30))
+        losses = np.sort(rng.uniform(-0.5, 2.0, size))
+        parts.append((float(rng.integers(1, 5)) / rng.uniform(0.9, 1.0), rng.random(size) * 1e-3, losses,
+                      float(rng.uniform(-0.02, 0.02))))
+    assume(any(part[1].size for part in parts))
+    together = rare._Tail(parts, profile, bulks)
+    alone = [rare._Tail([(count, masses, losses - shift, None)], profile, bulks) for count, masses, losses, shift in parts]
+    if tilted:
+        tilt = rare._term_profile(bulks, h, 1e-9, np.float64, 4.0, {}, 2**14)
+        for reader in [together, *alone]:
+            reader.tilted = tilt
+    assert together.heaviest == max(count * float(masses.sum()) for count, masses, _, _ in parts)
+    for epsilon in np.linspace(-0.6, 3.0, 37):
+        value, allowance = together.read(float(epsilon))
+        exact = sum(count * float(masses @ [exact_profile(composed, d_losses, epsilon - loss + shift) for loss in losses])
+                    for count, masses, losses, shift in parts)
+        one_by_one = math.fsum(reader.read(float(epsilon))[0] for reader in alone)
+        assert exact <= value and value == pytest.approx(one_by_one, rel=1e-12, abs=1e-300)
+        weight = sum(count * float(masses.sum()) for count, masses, _, _ in parts)
+        assert value <= exact * (1 + 1e-9) + allowance + profile.wrap * weight + 1e-13 * weight
+
+
 def test_a_split_of_many_runs_reads_every_run_against_one_profile(monkeypatch):
     # Beyond eight runs with tails, each run's profile of the other steps is bounded by one
     # profile of all the bulks: epsilon within 0.1% of one profile per run (never below),
