@@ -55,7 +55,8 @@ def both_grids(sigma, q, count, delta, direction):
     blocks = twoscale.bulk(plan, (sigma, q, count), direction, (low, high, False, False), 0.0, delta)
     if blocks is None:
         return None
-    fine = rare._bulk(sigma, q, direction, h, low * ratio, high * ratio, False, False, 0.0)
+    ends = ((low * ratio,), (low * ratio,), (high * ratio,), (high * ratio,))  # (no tails)
+    _, fine, _ = rare._bulks(((sigma, q, count),), direction, h, ends, 0.0)[0]
     return plan, blocks, (low * ratio, fine), h
 
 

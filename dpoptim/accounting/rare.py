@@ -384,8 +384,9 @@ def _cuts(steps: tuple, direction: str, delta: float) -> tuple[float, float]:
     allowed = math.sqrt(2.0 * _BEYOND_SHARE * delta) / 2.0
 
     def weights(xs: np.ndarray, side: int, bounded: bool = True) -> np.ndarray:
-        rows = [(count, _pld._split_log_masses(sigma, q, direction, xs, bounded)[side]) for sigma, q, count in steps]
-        return np.array([math.fsum(count * math.exp(float(row[k])) for count, row in rows) for k in range(xs.size)])
+        rows = _pld._split_log_masses_of_steps([step[:2] for step in steps], direction, xs, bounded)[side].tolist()
+        return np.array([math.fsum(count * math.exp(row[k]) for (_, _, count), row in zip(steps, rows))
+                         for k in range(xs.size)])
 
     low = min(float(_pld._loss_of_z(-_pld._GAUSS_TAIL * sigma, sigma, q, direction)) for sigma, q, _ in steps)
     high = max(float(_pld._loss_of_z(1.0 + _pld._GAUSS_TAIL * sigma, sigma, q, direction)) for sigma, q, _ in steps)
@@ -436,9 +437,9 @@ def _split_on(steps: tuple, direction: str, delta: float, h: float, ends: tuple,
     if any(high - low > points for low, high in zip(lows, highs)) or (
             two is None and _known_too_wide(before, ends, h, points)):
         return _TOO_WIDE
-    bulks = [(low, _bulk(sigma, q, direction, h, low, high, low > bottom, high < top, step), count) if two is None
-             else _twoscale.bulk(two, (sigma, q, count), direction, (low, high, low > bottom, high < top), step, delta)
-             for (sigma, q, count), low, high, bottom, top in zip(steps, lows, highs, bottoms, tops)]
+    bulks = (_bulks(steps, direction, h, (bottoms, lows, highs, tops), step) if two is None
+             else [_twoscale.bulk(two, steps[0], direction, (lows[0], highs[0], lows[0] > bottoms[0], highs[0] < tops[0]),
+                                  step, delta)])
     if any(bulk is None for bulk in bulks):
         return _TOO_WIDE
     transforms: dict = {}
@@ -504,22 +505,37 @@ def _tail_terms(steps: tuple, direction: str, bulks: list, ends: tuple, grid: tu
     the bulks' profile) is given, all of them in one reader against its bound), the log
     of the chance that no step's loss is infinite, and the tails' weight :math:`\\sum_r
     c_r |t_r|`; None where a profile's window is too wide. ``ends``: ``(bottoms, lows,
-    highs, tops)``, grid indices per run; ``grid``: ``(h, delta, dtype, transforms, points)``."""
+    highs, tops)``, grid indices per run; ``grid``: ``(h, delta, dtype, transforms, points)``.
+    Every run's tails are discretised at once (:func:`~dpoptim.accounting.pld._dots_of_steps`)."""
     bottoms, lows, highs, tops = ends
     h, step = grid[0], scale * _TAIL_STEP
-    readers, parts, log_finite, weight = [], [], 0.0, 0.0
+    planned, asked = [], []
     for r, (sigma, q, count) in enumerate(steps):
         if lows[r] <= bottoms[r] and highs[r] >= tops[r]:  # the run lies wholly in the bulk: no term of its own
-            p_inf = _pld._dots(sigma, q, direction, np.arange(lows[r], highs[r] + 1) * h)[1]
-            log_finite += count * math.log1p(-p_inf)
+            planned.append((r, None, None))
+            asked.append((sigma, q, np.arange(lows[r], highs[r] + 1) * h, False))
             continue
-        others, profile, shift, share = _others_profile(bulks, r, shared, grid)
+        reader = _others_profile(bulks, r, shared, grid)
+        others, profile, shift, _ = reader
         if profile is None:
             return None
         bottom = float(profile.losses[0]) if shift is None else float(profile.losses[0] - shift)
         reach = float(profile.losses[-1] - profile.losses[0]) + 2.0 * scale
-        losses, masses, p_inf = _tails(sigma, q, direction, h, (bottoms[r], lows[r], highs[r], tops[r]), step,
-                                       (reach, 2.0 * scale - bottom), grid[4] * _TAIL_POINTS)
+        points = _tail_grids(h, (bottoms[r], lows[r], highs[r], tops[r]), step, (reach, 2.0 * scale - bottom),
+                             grid[4] * _TAIL_POINTS)
+        planned.append((r, reader, points))
+        asked.extend([(sigma, q, points[0], True)] if points[0] is not None else [])
+        asked.append((sigma, q, points[1], False))
+    found = iter(_pld._dots_of_steps(asked, direction) if asked else [])
+    readers, parts, log_finite, weight = [], [], 0.0, 0.0
+    for r, reader, points in planned:
+        count = steps[r][2]
+        if reader is None:
+            log_finite += count * math.log1p(-next(found)[1])
+            continue
+        others, profile, shift, share = reader
+        losses, masses, p_inf = _tails(points, [next(found) for _ in range(1 + (points[0] is not None))],
+                                       highs[r] < tops[r])
         if shift is None:
             readers.append(_Tail([(count, masses, losses, None)], profile, others))
         else:
@@ -591,39 +607,54 @@ def _retilted(found: tuple, alone: _Profile, readers: list, constant: float, del
     return found if again is None or not again[0] < found[0] else again
 
 
-def _bulk(sigma, q, direction, h, low: int, high: int, below: bool, above: bool, step: float) -> np.ndarray:
-    """One step's bulk: its connect-the-dots masses at grid points ``low .. high`` (of
-    spacing ``h``) where the grid goes on ``step`` below (``below``) and above (``above``)
-    into the tails, whose points those are; a side without a tail ends the grid there,
-    as :func:`~dpoptim.accounting.pld._grid_distribution` does (its mass at +inf is the
-    tail's, :func:`_tails`, or where there is no upper tail, accounted there too)."""
-    points = np.arange(low, high + 1) * h
-    points = np.concatenate([[low * h - step] if below else [], points, [high * h + step] if above else []])
-    masses, _ = _pld._dots(sigma, q, direction, points, closed=above)  # (no tail above: :func:`_tails` counts its +inf)
-    return masses[int(below): masses.size - int(above)]
+def _bulks(steps: tuple, direction: str, h: float, ends: tuple, step: float) -> list:
+    """Each run's bulk factor ``(low, masses, count)``: one step's connect-the-dots masses at
+    grid points ``low .. high`` (of spacing ``h``; ``ends``: ``(bottoms, lows, highs,
+    tops)``, grid indices per run) where the grid goes on ``step`` below and above into
+    the tails where the run has them, whose points those are; a side without a tail ends
+    the grid there, as :func:`~dpoptim.accounting.pld._grid_distribution` does (its mass
+    at +inf is the tail's, :func:`_tails`, or where there is no upper tail, accounted
+    there too). All runs discretised at once (:func:`~dpoptim.accounting.pld._dots_of_steps`)."""
+    asked = []
+    for (sigma, q, _), bottom, low, high, top in zip(steps, *ends):
+        below, above = low > bottom, high < top
+        points = np.arange(low, high + 1) * h
+        points = np.concatenate([[low * h - step] if below else [], points, [high * h + step] if above else []])
+        asked.append((sigma, q, points, above))  # (no tail above: :func:`_tails` counts its +inf)
+    found = _pld._dots_of_steps(asked, direction)
+    return [(low, masses[int(low > bottom): masses.size - int(high < top)], count)
+            for (_, _, count), (masses, _), bottom, low, high, top in zip(steps, found, *ends)]
 
 
-def _tails(sigma, q, direction, h, grid: tuple, step: float, reach: tuple, most: float = math.inf) -> tuple:
-    """``(losses, masses, p_inf)``: one step's tails below grid point ``low`` and above
-    ``high`` (``grid = (bottom, low, high, top)``, the step's own ends ``bottom`` and
-    ``top``), on points ``step`` apart near the bulk, then farther apart
-    (:func:`_tail_points`), and its mass at +inf. ``reach = (below, above)``: how far
-    below the floor the points stay ``step`` apart (the bulk profile's width), and up to
-    which loss above the cut."""
+def _tail_grids(h: float, grid: tuple, step: float, reach: tuple, most: float = math.inf) -> tuple:
+    """``(below, above)``: the points :func:`_tails` discretises one step on for its tails
+    below grid point ``low`` and above ``high`` (``grid = (bottom, low, high, top)``, the
+    step's own ends ``bottom`` and ``top``): below, the lower tail's points and ``low``
+    (None without a lower tail); above, ``high`` and the upper tail's points, or without
+    an upper tail the bulk's points, which give the mass at +inf. The points lie ``step``
+    apart near the bulk, then farther apart (:func:`_tail_points`); ``reach = (below,
+    above)``: how far below the floor the points stay ``step`` apart (the bulk profile's
+    width), and up to which loss above the cut."""
     bottom, low, high, top = grid
-    losses, masses, p_inf = [], [], 0.0
-    if low > bottom:
-        points = low * h - _tail_points(0.0, step, reach[0], (low - bottom) * h, most)[::-1]
-        part, _ = _pld._dots(sigma, q, direction, points, closed=True)
-        losses.append(points[:-1])
-        masses.append(part[:-1])
+    below = low * h - _tail_points(0.0, step, reach[0], (low - bottom) * h, most)[::-1] if low > bottom else None
     if high < top:
-        points = _tail_points(high * h, step, max(reach[1], high * h + step), top * h, most)
-        part, p_inf = _pld._dots(sigma, q, direction, points)
-        losses.append(points[1:])
+        return below, _tail_points(high * h, step, max(reach[1], high * h + step), top * h, most)
+    return below, np.arange(low, high + 1) * h
+
+
+def _tails(points: tuple, found: list, upper: bool) -> tuple:
+    """``(losses, masses, p_inf)``: one step's tails and its mass at +inf, from the points of
+    :func:`_tail_grids` and their connect-the-dots ``found`` (the lower tail's first, where
+    it has one; ``upper``: whether it has an upper tail)."""
+    below, _ = points
+    losses, masses = [], []
+    if below is not None:
+        losses.append(below[:-1])
+        masses.append(found[0][0][:-1])
+    part, p_inf = found[-1]
+    if upper:
+        losses.append(points[1][1:])
         masses.append(part[1:])
-    else:
-        p_inf = _pld._dots(sigma, q, direction, np.arange(low, high + 1) * h)[1]
     return np.concatenate(losses), np.concatenate(masses), p_inf
 
 
@@ -666,7 +697,7 @@ def _tail_points(a: float, step: float, start: float, top: float, most: float = 
     most its gap times :math:`e^{-d}`: a 2^-11 share at most.
 
     Where more than ``most`` points ``step`` apart would reach ``start``, the gaps after
-    the first (the bulk's, :func:`_bulk`) are the smallest power-of-two multiple of
+    the first (the bulk's, :func:`_bulks`) are the smallest power-of-two multiple of
     ``step`` that reaches it in at most ``most``, and the far gaps grow from that.
     Connect-the-dots on any increasing points dominates the step (Doroshenko et al. 2022,
     :func:`~dpoptim.accounting.pld._thinned_points`): only tightness depends on them.

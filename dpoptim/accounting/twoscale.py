@@ -195,7 +195,7 @@ def _coarse_spacing(h: float, count: int, length: int, variance: float, outside:
 def bulk(plan: Plan, run: tuple, direction: str, grid: tuple, step: float, delta: float) -> Bulk | None:
     """The run's bulk (module docstring) on the coarse grid between indices ``grid =
     (low, high, below, above)``, where its tails go on ``step`` below (``below``) and
-    above (``above``), as in :func:`~dpoptim.accounting.rare._bulk`: one connect-the-dots
+    above (``above``), as in :func:`~dpoptim.accounting.rare._bulks`: one connect-the-dots
     on the fine points of the body and the coarse points beyond it; None where the blocks
     do not fit or their error bounds would raise delta by more than :data:`_EXCESS`."""
     sigma, q, count = run
