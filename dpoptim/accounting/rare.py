@@ -459,6 +459,11 @@ def _split_on(steps: tuple, direction: str, delta: float, h: float, ends: tuple,
     return None if found is None else (*found, (ends, alone.width if two is None else 0.0))
 
 
+#: :func:`_alone_and_tails` composes many runs' profile and reads their tails side by side
+#: from this many bulk points on.
+_BESIDE_BULK_POINTS = 2**20
+
+
 def _alone_and_tails(steps: tuple, direction: str, bulks: list, ends: tuple, grid: tuple, scale: float) -> tuple:
     """For :func:`_split_on`: ``(alone, terms)``, the profile of the term with no tail step
     (:func:`_term_profile`) and :func:`_tail_terms`, side by side where another thread is
@@ -470,10 +475,12 @@ def _alone_and_tails(steps: tuple, direction: str, bulks: list, ends: tuple, gri
 
     Where one direction's split runs on the accounting thread while the caller, done with
     the other, waits for it (sigma 0.565, q 1.4e-5 over 10^8 steps, delta 8.9e-11: two
-    profiles of 0.15 to 0.19 s each), the caller reads the tails meanwhile. Only for one
-    run: over many, the profiles are sums over many small arrays, mostly Python, and
-    side by side each thread waits for the interpreter lock (a schedule of 245 pairs,
-    split in 128 groups: 1.34 s against 1.10 s one after the other)."""
+    profiles of 0.15 to 0.19 s each), the caller reads the tails meanwhile. For many
+    runs only where their bulks hold :data:`_BESIDE_BULK_POINTS` points or more: on
+    fewer, the profiles are sums over many small arrays, mostly Python, and side by side
+    each thread waits for the interpreter lock (a schedule of 245 pairs, split in 128
+    groups: 1.34 s against 1.10 s one after the other), while 128 bulks of 17,000 points
+    (10^4 one-step pairs at tiny q, on their finest bins) took 0.97 s against 1.06 s."""
     h, delta, dtype, transforms, points = grid
     bottoms, lows, highs, tops = ends
     tailed = sum(1 for r in range(len(steps)) if lows[r] > bottoms[r] or highs[r] < tops[r])
@@ -486,7 +493,7 @@ def _alone_and_tails(steps: tuple, direction: str, bulks: list, ends: tuple, gri
     def alone():
         return _term_profile(_factors(bulks), h, delta, dtype, transforms=transforms, points=points)
 
-    if len(steps) > 1:  # (many small arrays: one after the other, see above)
+    if len(steps) > 1 and sum(bulk[1].size for bulk in bulks) < _BESIDE_BULK_POINTS:  # (see above)
         first = alone()
         return first, None if first is None else tails()
     return _pld._beside(alone, tails, lambda first: first is not None)
