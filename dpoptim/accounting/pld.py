@@ -3737,16 +3737,88 @@ def _dots_of_steps(steps: list, direction: str) -> list:
 
 
 def _dots_batched(steps: list, direction: str) -> list:
-    """:func:`_dots_of_steps` in one pass (:func:`_bounds_of_steps`)."""
-    sizes = [points.size for _, _, points, _ in steps]
-    bounds = _bounds_of_steps(steps, direction)
-    found, cut, edge = [], 0, 0
-    for (_, _, points, closed), size in zip(steps, sizes):
-        bins, cuts = slice(edge, edge + size + 1), slice(cut, cut + size)
-        found.append(_connect_the_dots(bounds[0][bins], bounds[1][bins], bounds[2][cuts], bounds[3][cuts], points,
-                                       closed))
-        cut, edge = cut + size, edge + size + 2
+    """:func:`_dots_of_steps` in one pass: :func:`_bounds_of_steps`, then
+    :func:`_connect_the_dots_of_steps`."""
+    return _connect_the_dots_of_steps(*_bounds_of_steps(steps, direction),
+                                      [(points, closed) for _, _, points, closed in steps])
+
+
+def _connect_the_dots_of_steps(log_p_high, log_q_low, rho, log_excess, grids: list) -> list:
+    """:func:`_connect_the_dots` of several steps at once, from :func:`_bounds_of_steps`
+    (each step's bins, then the bin to the next step's, which is not one of them; its
+    cuts) and ``grids``, ``(points, closed)`` per step: ``[(masses, p_inf)]``, each
+    element computed from the same inputs by the same operations in the same order as
+    for its step alone (each step's scalars, its top bin's share and its sums, are its
+    own)."""
+    sizes = np.array([points.size for points, _ in grids])
+    points = np.concatenate([points for points, _ in grids])
+    owner = np.repeat(np.arange(sizes.size), sizes)
+    firsts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    lasts = firsts + sizes - 1
+    inner = np.ones(points.size, dtype=bool)
+    inner[lasts] = False
+    below = np.flatnonzero(inner)  # points with another above them in their step
+    above = below + 2 * owner[below] + 1  # the bin between each of those points and the next
+    tops = lasts + 2 * np.arange(sizes.size) + 1  # each step's bin above its grid
+    widths = points[below + 1] - points[below]
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        p = np.exp(log_p_high) * (1.0 + 8.0 * _U)
+        exponent = _rounded_up((log_q_low - log_p_high)[above] + points[below], log_q_low[above], log_p_high[above],
+                               points[below], sign=-1.0) - rho[below]
+        share = -np.expm1(exponent) / -np.expm1(-widths) * (1.0 + 8.0 * _U)
+        top = _rounded_up(log_q_low[tops] - log_p_high[tops] + points[lasts], log_q_low[tops], log_p_high[tops],
+                          points[lasts], sign=-1.0) - rho[lasts]
+        excess = np.exp(log_excess) * (1.0 + 8.0 * _U)
+    share = np.fmin(np.fmax(share, 0.0), 1.0)  # (fmax drops a nan: an empty bin's share, 0)
+    interior = p[above]
+    masses = np.zeros(points.size)
+    masses[below] += interior * (1.0 - share)
+    arriving = np.zeros(points.size)  # at each point as a bin's upper end: the bottom bin, each bin's upper share
+    arriving[firsts] = p[firsts + 2 * np.arange(sizes.size)]
+    arriving[below + 1] += interior * share
+    moved = np.fmin(arriving, excess)  # (fmin drops a nan excess: all of it moves)
+    masses += arriving - moved
+    farther = rho[below] >= widths  # (a loss error as wide as the gap above: to +inf instead)
+    masses[below + 1] += np.where(farther, 0.0, moved[below])
+    lost, floored, sent = _faint_bins(log_p_high, tops, sizes, below, (moved[below] > 0.0) & farther)
+    found = []
+    for k, (_, closed) in enumerate(grids):
+        if closed and (sent[k] or floored[k]):
+            raise DroppedMass("connect-the-dots would send mass below the top point to +inf")
+        last, p_top = lasts[k], p[tops[k]]
+        kept = min(1.0, math.exp(min(float(top[k]), 0.0))) if p_top > 0 and not math.isnan(top[k]) else 0.0
+        own = masses[firsts[k]: last + 1]
+        own[-1] += p_top * kept
+        gaps = slice(firsts[k] - k, last - k)  # this step's entries of ``below``
+        far = farther[gaps]
+        beyond = (float(moved[last]) + (float(moved[below[gaps]][far].sum()) if far.any() else 0.0)
+                  + float(p_top * (1.0 - kept)) + int(lost[k]) * math.exp(-690.0))
+        found.append((own, min(beyond * (1.0 + 4.0 * _U), 1.0)))
     return found
+
+
+def _faint_bins(log_p_high: np.ndarray, tops: np.ndarray, sizes: np.ndarray, below: np.ndarray,
+                sent: np.ndarray) -> tuple:
+    """For :func:`_connect_the_dots_of_steps`, per step: how many of its bins' P-bounds lie
+    below e^-690, how many below its top bin do with a finite bound (where a closed
+    step's mass would go to +inf), and how many of its points send mass on to +inf
+    (``sent``, per point of ``below``). ``tops``: each step's top bin; ``sizes``: its
+    points."""
+    count = sizes.size
+    firsts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    bins = np.ones(log_p_high.size + 1, dtype=bool)
+    bins[tops + 1] = False  # (the bins between steps)
+    starts = firsts + np.arange(count)  # each step's first bin, those between steps left out
+    lost = np.add.reduceat((log_p_high < -690.0)[bins[:-1]], starts)
+    floored = np.isfinite(log_p_high) & (log_p_high < -690.0)
+    floored[tops] = False
+    floored = np.add.reduceat(floored[bins[:-1]], starts)
+    if not below.size:
+        return lost, floored, np.zeros(count, dtype=int)
+    # (a step of one point has none in ``below``: its count is 0)
+    sent = np.add.reduceat(np.concatenate([sent, [False]]).astype(int), np.searchsorted(below, firsts))
+    sent[sizes == 1] = 0
+    return lost, floored, sent
 
 
 def _bounds_of_steps(steps: list, direction: str) -> tuple:
