@@ -3718,6 +3718,8 @@ def _dots_of_steps(steps: list, direction: str) -> list:
     threads where a core is idle and there are enough points (:data:`_HALVED_BOUNDS`)."""
     sizes = [points.size for _, _, points, _ in steps]
     total = sum(sizes)
+    if 0 in sizes:  # (no grid: as one by one, whatever that does)
+        return [_dots(sigma, q, direction, points, closed) for sigma, q, points, closed in steps]
     if len(steps) > 1 and total >= _HALVED_BOUNDS and _core_idle():
         m = min(max(int(np.searchsorted(np.cumsum(sizes), total / 2.0)) + 1, 1), len(steps) - 1)
         first, second = _beside(lambda: _dots_of_steps(steps[:m], direction),
