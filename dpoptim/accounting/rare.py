@@ -43,7 +43,6 @@ Lower bounds on the same split are in :mod:`.rare_lower`.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import math
@@ -1032,9 +1031,9 @@ class _Tail:
             self.count, masses, losses, _ = parts[0]
         else:
             self.count = 1.0
-            order = np.argsort(np.concatenate([losses - shift for _, _, losses, shift in parts]), kind="stable")
-            losses = np.concatenate([losses - shift for _, _, losses, shift in parts])[order]
-            masses = np.concatenate([count * masses for count, masses, _, _ in parts])[order]
+            losses = np.concatenate([losses - shift for _, _, losses, shift in parts])
+            order = np.argsort(losses, kind="stable")
+            losses, masses = losses[order], np.concatenate([count * masses for count, masses, _, _ in parts])[order]
         self.masses, self.losses = masses, losses
         self.low, self.high = float(profile.losses[0]), float(profile.losses[-1])
         self.offset = float(losses[0]) if losses.size else 0.0
