@@ -783,6 +783,38 @@ def test_tails_read_together_bound_each_runs_term_as_read_alone(seed, runs, tilt
         assert value <= exact * (1 + 1e-9) + allowance + profile.wrap * weight + 1e-12 * weight * profile.mass
 
 
+def test_additions_last_quick_try_is_made_on_coarser_bins_first_with_the_same_epsilon(monkeypatch):
+    # 3,000 one-step pairs at tiny q, split in 128 groups: addition is settled by its answer
+    # one scale above removal's, which need only lie below removal's. That try is made on
+    # bins four times coarser than the spread asks first, and settles it there; the
+    # reported epsilon, removal's, is the same as with the asked bins.
+    count, delta = 3000, 6.228860477368638e-11
+    runs = [(1.4214 + (1.6637 - 1.4214) * t / (count - 1), 1.9833e-4 * (3.2539e-6 / 1.9833e-4) ** (t / (count - 1)), 1)
+            for t in range(count)]
+    tries, split = [], rare.split_epsilon
+
+    def spied(steps, direction, level, guess, *args, **kwargs):
+        found = split(steps, direction, level, guess, *args, **kwargs)
+        tries.append((steps, direction, level, guess, kwargs.get("spacings"), found))
+        return found
+
+    monkeypatch.setattr(rare, "split_epsilon", spied)
+    values = []
+    for factor in (pld_module._COARSE_QUICK_ADDITION, 1.0):
+        monkeypatch.setattr(pld_module, "_COARSE_QUICK_ADDITION", factor)
+        pld_module._noted_pld_epsilon.cache_clear()
+        rare._split_epsilon.cache_clear()
+        tries.clear()
+        values.append(epsilon_of_ledger(runs, delta))
+        steps, direction, level, guess, spacings, found = tries[-1]
+        removal = next(found for _, direction, _, _, _, found in tries if direction == "remove")
+        assert direction == "add" and guess == 2 * removal[0] and found[0] <= removal[0] == values[-1]
+        assert spacings[0] == factor * rare.asked_spacing(steps, "add", level, guess)
+    pld_module._noted_pld_epsilon.cache_clear()
+    rare._split_epsilon.cache_clear()
+    assert values[0] == values[1]
+
+
 def test_a_split_of_many_runs_reads_every_run_against_one_profile(monkeypatch):
     # Beyond eight runs with tails, each run's profile of the other steps is bounded by one
     # profile of all the bulks: epsilon within 0.1% of one profile per run (never below),

@@ -1656,6 +1656,14 @@ _NEAR_ENOUGH = 2.0
 _LAST_QUICK_ADDITION = 2.0
 
 
+#: ... there on bins this many times coarser than the spread asks, first: addition's
+#: answer need only lie below removal's, where it gives way to it, and coarser bins raise
+#: it by far less than the gap between the two directions at tiny q (10^4 one-step pairs
+#: from sigma 1.2 at q 1e-4 to sigma 0.6 at q 1e-5: 0.014732 against 0.014639 on the
+#: asked bins, in 0.34 s against 0.53 s, below removal's 0.015956).
+_COARSE_QUICK_ADDITION = 4.0
+
+
 def _split_first(steps: tuple, deltas: dict, guess: float, again: bool = True, shift: float = 0.0,
                  points: int = _FIRST_SPLIT_POINTS, beside: dict | None = None) -> dict | None:
     """Each direction's epsilon by the split of :mod:`.rare`, sized from ``guess`` (an upper
@@ -1669,7 +1677,9 @@ def _split_first(steps: tuple, deltas: dict, guess: float, again: bool = True, s
     6.8e-5, delta 1.6e-7: 0.107 at 64 times, 0.0475 at 8 times against removal's 0.0587,
     in 0.3 s where the grid sized for removal's answer took 1.9 s; where 64 times gave
     3.4 times removal's, 8 times did not settle it either), then, for one run, on grids
-    of its own (:func:`_addition_below`), then for removal's answer (with ``again``), and
+    of its own (:func:`_addition_below`), then (with ``again``) for :data:`_LAST_QUICK_ADDITION`
+    times, on bins :data:`_COARSE_QUICK_ADDITION` times coarser than asked and then on the
+    asked ones, then for removal's answer (with ``again``), and
     only sized for its own where it is above (``shift``: added to it by the caller), as
     only the larger is reported; without a tail of its own it is composed whole on the
     split's fine grid. Where removal has no rare tail, the grids answer. ``points``: the
@@ -1693,10 +1703,12 @@ def _split_first(steps: tuple, deltas: dict, guess: float, again: bool = True, s
     if below is not None:
         return {_REMOVE: removal[0], _ADD: below}
     if again:  # one scale above removal's answer first: a half to a third of the cost
-        quick = rare.split_epsilon(steps, _ADD, deltas[_ADD], _LAST_QUICK_ADDITION * max(removal[0], 1e-300), False,
-                                   points, whole=True)
-        if quick is not None and quick[0] + shift <= removal[0]:
-            return {_REMOVE: removal[0], _ADD: quick[0]}
+        last = _LAST_QUICK_ADDITION * max(removal[0], 1e-300)
+        coarse = _COARSE_QUICK_ADDITION * rare.asked_spacing(steps, _ADD, deltas[_ADD], last)
+        for spacings in ((coarse, math.inf), None):
+            quick = rare.split_epsilon(steps, _ADD, deltas[_ADD], last, False, points, whole=True, spacings=spacings)
+            if quick is not None and quick[0] + shift <= removal[0]:
+                return {_REMOVE: removal[0], _ADD: quick[0]}
     addition = rare.split_epsilon(steps, _ADD, deltas[_ADD], max(removal[0], 1e-300) if again else guess, False,
                                   points, whole=True)
     if again and addition is not None and addition[0] + shift > removal[0]:

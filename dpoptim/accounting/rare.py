@@ -145,6 +145,20 @@ def split_epsilon(steps: tuple, direction: str, delta: float, guess: float, agai
     return answer
 
 
+def asked_spacing(steps: tuple, direction: str, delta: float, guess: float) -> float:
+    """The bins :func:`split_epsilon` composes the bulk on, on the grid sized for ``guess``
+    (the first one the spread asks for, :func:`_bulk_spacing`)."""
+    scale = 2.0 ** math.floor(math.log2(guess))
+    return _asked_spacing(tuple(steps), direction, delta, finest_spacing(scale, sum(step[2] for step in steps)), scale)
+
+
+def _asked_spacing(steps: tuple, direction: str, delta: float, spacing: float, scale: float) -> float:
+    """:func:`_bulk_spacing` of the bulk :func:`split_ends` leaves, bins at most ``spacing``."""
+    floor, cut, bottom, reach = split_ends(steps, direction, delta, scale)
+    return _bulk_spacing(steps, direction, spacing, scale, bottom if floor is None else floor,
+                         reach if cut is None else cut)
+
+
 def sized_again(answer: float, guess: float) -> bool:
     """Whether :func:`split_epsilon` sizes its grid anew for ``answer``, found on the grid
     sized for ``guess``: where it lies below the power of two the guess was sized by (and
@@ -167,8 +181,7 @@ def _split_epsilon(steps: tuple, direction: str, delta: float, spacing: float, s
     floor, cut, bottom, reach = split_ends(steps, direction, delta, scale)
     if floor is None and cut is None and not whole:
         return None
-    h = _bulk_spacing(steps, direction, spacing, scale, bottom if floor is None else floor,
-                      reach if cut is None else cut)
+    h = _asked_spacing(steps, direction, delta, spacing, scale)
     h = h if spacings is None else max(h, spacings[0])
     # a long run's body in blocks, where worth it and allowed (``blocks``)
     if blocks and spacings is None and len(steps) == 1 and h <= scale / 64.0:
