@@ -2973,9 +2973,9 @@ def test_the_models_second_step_moves_it_by_its_difference_from_the_accountant(m
 
 
 @pytest.mark.parametrize("at_64, at_2, asked, addition", [
-    (0.107, 0.045, [64, 8], 0.0475),  # 64 times came within twice removal's: 8 times settles it
-    (0.2, 0.045, [64, 2], 0.045),  # far above: 8 times is skipped, twice removal's settles it
-    (0.2, 0.06, [64, 2, 1], 0.042),  # ... or not: sized for removal's answer itself
+    (0.107, 0.045, [(64, False), (8, False)], 0.0475),  # 64 times came within twice removal's: 8 times settles it
+    (0.2, 0.045, [(64, False), (2, True)], 0.045),  # far above: 8 times is skipped, twice removal's settles it
+    (0.2, 0.06, [(64, False), (2, True), (2, False), (1, False)], 0.042),  # ... or not: removal's answer itself
 ])
 def test_addition_is_sized_for_8_times_removals_answer_where_64_times_came_near(monkeypatch, at_64, at_2, asked,
                                                                                 addition):
@@ -2983,7 +2983,8 @@ def test_addition_is_sized_for_8_times_removals_answer_where_64_times_came_near(
     # times removal's answer (0.0587) gave 0.107, for 8 times 0.0475 (0.3 s), and for
     # removal's answer 0.042 (1.9 s); only the larger direction is reported. Where 64
     # times gives several times removal's, 8 times rarely settles it and is skipped; twice
-    # removal's answer (one scale above its own) is tried before removal's answer itself.
+    # removal's answer (one scale above its own) is tried before removal's answer itself,
+    # on coarser bins first (True: ``spacings`` given), then on the asked ones.
     removal = 0.0587
     answers = {64: at_64, 8: 0.0475, 2: at_2, 1: 0.042}
     sizes = []
@@ -2991,7 +2992,7 @@ def test_addition_is_sized_for_8_times_removals_answer_where_64_times_came_near(
     def split(steps, direction, delta, guess, again=True, points=0, whole=False, strict=False, **kwargs):
         if direction == pld_module._REMOVE:
             return removal, False
-        sizes.append(round(guess / removal))
+        sizes.append((round(guess / removal), kwargs.get("spacings") is not None))
         return answers[round(guess / removal)], False
 
     monkeypatch.setattr(rare, "split_epsilon", split)
