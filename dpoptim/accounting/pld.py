@@ -3763,7 +3763,9 @@ def _connect_the_dots_of_steps(log_p_high, log_q_low, rho, log_excess, grids: li
     cuts) and ``grids``, ``(points, closed)`` per step: ``[(masses, p_inf)]``, each
     element computed from the same inputs by the same operations in the same order as
     for its step alone (each step's scalars, its top bin's share and its sums, are its
-    own)."""
+    own). One step alone keeps :func:`_connect_the_dots`, on slices: through this
+    function's gathered indices it took 80 us a call instead of 45 (single runs call it
+    most), and the tests hold the two to the same bits on random steps."""
     sizes = np.array([points.size for points, _ in grids])
     points = np.concatenate([points for points, _ in grids])
     owner = np.repeat(np.arange(sizes.size), sizes)
