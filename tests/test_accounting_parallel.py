@@ -84,6 +84,66 @@ def test_mixture_groups_on_a_small_grid_compose_one_direction_after_the_other(mo
     assert {name for name, _, _, _ in threads} == {threading.current_thread().name}
 
 
+@pytest.mark.parametrize("larger, apart, composed", [
+    ((0.95, False), True, ["remove"]),  # final on this grid, above addition's earlier answer: addition keeps it
+    ((0.85, False), True, ["remove", "add"]),  # now below addition's earlier answer: addition may set the value
+    ((0.95, True), True, ["remove", "add"]),  # rounding decides: refining may bring it below
+    ((0.95, False), False, ["remove", "add"]),  # side by side: both, as before
+])
+def test_a_direction_below_the_others_earlier_answer_is_composed_only_where_it_may_set_epsilon(
+        monkeypatch, larger, apart, composed):
+    monkeypatch.setattr(pld_module, "_usable_cores", lambda: 2)
+    composed_here, after = [], {"remove": 1.0, "add": 0.9}
+    answers = {"remove": larger, "add": (0.8, False)}
+
+    def answer(direction):
+        composed_here.append(direction)
+        return answers[direction]
+
+    found = pld_module._first_answers(answer, not apart, None, after, 0.0)
+    assert sorted(composed_here) == sorted(composed)
+    assert not apart or composed_here[0] == "remove"  # one after the other: the larger one before first
+    assert found == {"remove": larger, "add": answers["add"] if "add" in composed else (0.9, False)}
+
+
+def test_the_add_directions_shift_counts_when_it_keeps_its_earlier_answer():
+    # addition 0.9 + shift 0.1 lies above removal's 0.95: it may set the value, so it is composed
+    composed_here = []
+
+    def answer(direction):
+        composed_here.append(direction)
+        return {"remove": (0.95, False), "add": (0.8, False)}[direction]
+
+    pld_module._first_answers(answer, False, None, {"remove": 1.0, "add": 0.9}, 0.1)
+    assert composed_here == ["remove", "add"]
+
+
+def test_a_later_mixture_grid_composes_the_smaller_direction_only_where_needed_with_the_same_epsilon(monkeypatch):
+    # 126 pairs of 3 steps: mixture groups on a small grid, whose directions run one after
+    # the other. The first grid composes both; on the grid after it (cut shorter),
+    # removal's answer lies above addition's first one, which then stands.
+    sigmas, rates = np.geomspace(0.6, 2.0, 126), np.geomspace(1.1e-3, 0.067, 126)
+    runs = [(float(sigma), float(q), 3) for sigma, q in zip(sigmas, rates)]
+    delta = 1.8e-11
+    composed, compose = [], pld_module._compose_direction
+
+    def spy(steps, direction, grid, *args, **kwargs):
+        composed.append(direction)
+        return compose(steps, direction, grid, *args, **kwargs)
+
+    fresh(monkeypatch, 2)
+    monkeypatch.setattr(pld_module, "_compose_direction", spy)
+    found = pld_module.pld_epsilon(runs, delta)
+    assert sorted(composed[:2]) == ["add", "remove"] and composed[2:] == ["remove"]
+    fresh(monkeypatch, 2)
+    first_answers = pld_module._first_answers
+    monkeypatch.setattr(pld_module, "_first_answers",
+                        lambda answer, together, kept, *ignored: first_answers(answer, together, kept))
+    composed.clear()
+    assert pld_module.pld_epsilon(runs, delta) == found  # composing both gives the same
+    assert sorted(composed[2:]) == ["add", "remove"]
+
+
 def test_both_directions_refined_side_by_side_give_the_same_epsilon(monkeypatch):
     # Large sigma over 2e7 steps on one grid (the stages of staged.py, which now answer
     # there, left out): rounding decides both directions on 2^20 points, and they nearly

@@ -1806,7 +1806,7 @@ def _smaller_with(steps: tuple, deltas: dict, epsilons: dict, compose_on, other)
         grid = other()
         if grid is None:
             return epsilons
-        values = compose_on(steps, deltas, grid)
+        values = compose_on(steps, deltas, grid, after=epsilons)
     except (OverflowError, FloatingPointError, MemoryError):  # pragma: no cover - defensive
         return epsilons
     return _each_smaller(epsilons, values)
@@ -1871,7 +1871,7 @@ def _shorter_cut_grid(steps: tuple, delta: float, grid: _Grid, guess: float):
 def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: float = 0.0, bound: set | None = None,
                 split: set | None = None, rare_split: bool = True, settle_first: bool = False,
                 uncertified: set | None = None, refine: bool = True, known=None, cuts=None, kept=None,
-                ceiling: float = math.inf, lows: dict | None = None) -> dict:
+                ceiling: float = math.inf, lows: dict | None = None, after: dict | None = None) -> dict:
     """Epsilon of each direction on ``grid``: both composed side by side in float64, then refined
     where rounding decides a direction's answer (:func:`_refined`), unless that direction cannot
     set the reported ``max(remove, add + shift)``. Refining only lowers a value (the smaller of
@@ -1880,8 +1880,8 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
     now at least as large. The result is the maximum that refining both would give (all but
     always: see :data:`_FIRST_SPLIT_SHARE`). Each direction refined is added to ``bound``
     where rounding may still decide it, or to ``split`` where the split of :mod:`.rare`
-    alone answered it (with ``rare_split``). ``cuts``: see :func:`_compose_direction`.
-    ``kept``: ``{direction: epsilon}`` for one direction, not composed: its value stands.
+    alone answered it (with ``rare_split``). ``cuts``: see :func:`_compose_direction`; ``kept``
+    and ``after``: :func:`_first_answers`.
     ``settle_first`` (the calibration's model, :func:`model_epsilon`): one after the other,
     the other's quickest candidate first (float64 at its own tilt where above the grid's),
     the rest only where still above the larger's final value (side by side, the other's
@@ -1890,7 +1890,7 @@ def _compose_on(steps: tuple, deltas: dict, grid: _Grid, mixture=None, shift: fl
     sound bound, reported where smaller (:func:`_past_ceiling`; ``lows``: :func:`_composer`)."""
     compose, lows = _composer(steps, deltas, (mixture, cuts), lows)
     together = mixture is None or grid.n > _MIXTURE_APART_POINTS  # (_both_directions)
-    first = known or _first_answers(lambda d: _first_answer(compose, d, grid, uncertified), together, kept)
+    first = known or _first_answers(lambda d: _first_answer(compose, d, grid, uncertified), together, kept, after, shift)
     if not refine:
         return first
     epsilons, offsets = {direction: value for direction, (value, _) in first.items()}, {_REMOVE: 0.0, _ADD: shift}
@@ -1987,10 +1987,27 @@ def _remembered(compose):
     return remembered
 
 
-def _first_answers(answer, together: bool, kept: dict | None) -> dict:
+def _first_answers(answer, together: bool, kept: dict | None, after: dict | None = None, shift: float = 0.0) -> dict:
     """``{direction: answer(direction)}`` (:func:`_both_directions`), but a direction in
-    ``kept`` (``{direction: epsilon}``) keeps its epsilon, marked as not decided by
-    rounding (so it is not refined)."""
+    ``kept`` (``{direction: epsilon}``, for one direction, not composed) keeps its epsilon,
+    marked as not decided by rounding (so it is not refined).
+
+    ``after``: each direction's sound answer on an earlier grid (or None); ``shift``: what
+    the caller adds to addition's. Where the two directions would run one after
+    the other anyway (``together`` False, or one core), the larger there is answered
+    first; where rounding does not decide its answer (it is then final on this grid) and
+    that is at least the other's earlier answer, the other keeps that answer, as if
+    ``kept``: the caller keeps each direction's smaller answer of the two grids and
+    reports the larger direction's, so composing the other could lower only a value that
+    is not reported. 2,000 one-step pairs at q 1e-4 to 1e-5 (mixture groups on 2^17
+    points): removal 0.0066839, addition 0.0058170 on the grid before, 0.46 s saved."""
+    offsets = {_REMOVE: 0.0, _ADD: shift}
+    if not kept and after is not None and not (together and _side_by_side()):
+        larger = max((_REMOVE, _ADD), key=lambda d: after[d] + offsets[d])  # (removal on a tie)
+        other, found = _other(larger), answer(larger)
+        settled = not found[1] and found[0] + offsets[larger] >= after[other] + offsets[other]
+        answers = {larger: found, other: (after[other], False) if settled else answer(other)}
+        return {direction: answers[direction] for direction in (_REMOVE, _ADD)}
     if not kept:
         return _both_directions(answer, together)
     (held, value), = kept.items()
