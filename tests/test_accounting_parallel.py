@@ -202,6 +202,67 @@ def test_the_stages_side_by_side_give_the_same_epsilon(monkeypatch):
     assert threading.current_thread().name in threads
 
 
+@pytest.mark.parametrize("cores", [1, 2])
+def test_a_direction_below_the_others_settled_stages_needs_no_extended_precision(monkeypatch, cores):
+    # sigma 0.656, q 0.0162 over 10^8 steps, delta 2.5e-11: removal's second stage settles
+    # 98,363 in double precision; addition's 88,145 does not, but lies below it. Addition
+    # goes on to extended precision only where removal's answer is not known to be above.
+    from dpoptim.accounting import staged
+
+    runs, delta = [(0.6561, 0.0162, 10**8)], 2.5e-11
+    stages, composed = [], staged._composed_epsilon
+
+    def spy(parts, plan, *args):
+        found = composed(parts, plan, *args)
+        if found is not None:
+            stages.append(np.dtype(plan.dtype).itemsize)
+        return found
+
+    fresh(monkeypatch, cores)
+    monkeypatch.setattr(staged, "_composed_epsilon", spy)
+    found = pld_module.pld_epsilon(runs, delta)
+    assert sorted(stages) == [8, 8]  # each direction once, in double precision
+    fresh(monkeypatch, cores)
+    monkeypatch.setattr(staged._Side, "below", lambda *args: False)
+    stages.clear()
+    assert pld_module.pld_epsilon(runs, delta) == found  # composed in extended precision too: the same
+    assert sorted(stages) == [8, 8, np.dtype(np.longdouble).itemsize]
+
+
+def test_a_direction_waits_for_the_others_double_precision_stage_and_for_nothing_else():
+    from dpoptim.accounting import staged
+
+    finals = staged._Finals(shift=0.5)
+    finals.stage("remove", True)
+    finals.stage("add", True)
+    asked = []
+    waiter = threading.Thread(target=lambda: asked.append(finals.below("add", 2.0)))
+    waiter.start()
+    time.sleep(0.2)
+    assert waiter.is_alive()  # removal composes its double-precision stage: addition waits for it
+    finals.done("remove", (2.5, True))
+    waiter.join(10.0)
+    assert asked == [True]  # 2.0 + 0.5 (the shift) is at most 2.5
+    assert not finals.below("add", 2.1)
+    # an unsettled answer, or one in extended precision, is not waited for nor taken
+    other = staged._Finals(shift=0.0)
+    other.stage("remove", False)
+    assert not other.below("add", 0.0)
+    other.done("remove", (9.0, False))
+    assert not other.below("add", 0.0)
+    # both unsettled at once: asking ends the other's wait, and neither waits for the other
+    both = staged._Finals(shift=0.0)
+    both.stage("remove", True)
+    both.stage("add", True)
+    answers = []
+    first = threading.Thread(target=lambda: answers.append(both.below("remove", 1.0)))
+    first.start()
+    time.sleep(0.1)
+    answers.append(both.below("add", 1.0))
+    first.join(10.0)
+    assert not first.is_alive() and answers == [False, False]
+
+
 def test_a_split_near_epsilons_zero_finds_its_bins_on_both_threads_with_the_same_epsilon(monkeypatch):
     # A calibration's point near epsilon's zero (q 2.6e-6 over 433 steps, delta 3.8e-4):
     # removal's split tries bins coarser than its spread asks for (rare._settled_coarser),
