@@ -221,12 +221,16 @@ def test_a_direction_below_the_others_settled_stages_needs_no_extended_precision
     fresh(monkeypatch, cores)
     monkeypatch.setattr(staged, "_composed_epsilon", spy)
     found = pld_module.pld_epsilon(runs, delta)
-    assert sorted(stages) == [8, 8]  # each direction once, in double precision
+    extended = np.dtype(np.longdouble).itemsize
+    # each direction once, in double precision (side by side, addition asks after removal
+    # settled, or while it composes its double-precision stage: unless a loaded machine
+    # held removal back in its first stage, when addition went on as before)
+    assert sorted(stages) == [8, 8] if cores == 1 else sorted(stages) in ([8, 8], [8, 8, extended])
     fresh(monkeypatch, cores)
     monkeypatch.setattr(staged._Side, "below", lambda *args: False)
     stages.clear()
     assert pld_module.pld_epsilon(runs, delta) == found  # composed in extended precision too: the same
-    assert sorted(stages) == [8, 8, np.dtype(np.longdouble).itemsize]
+    assert sorted(stages) == [8, 8, extended]
 
 
 def test_a_direction_waits_for_the_others_double_precision_stage_and_for_nothing_else():
