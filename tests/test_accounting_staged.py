@@ -126,6 +126,20 @@ def test_a_body_narrower_than_a_bin_is_left_to_the_split():
     assert epsilon(sigma, q, steps, delta) <= 4.09
 
 
+@pytest.mark.parametrize("edge, up", [(1.2345678, True), (0.7654321, False)])
+def test_the_boundary_of_the_stages_plan_is_the_same_from_every_run_beside_it(edge, up):
+    # q grows toward the plan (up), or sigma falls toward it: from every run refused within
+    # 2% of the change, the same point, within a part in 10^7 of it, on the fitting side
+    fits = (lambda x: x >= edge) if up else (lambda x: x <= edge)
+    found = set()
+    for start in (np.geomspace(0.981, 0.9999, 7) if up else np.geomspace(1.0001, 1.019, 7)):
+        refused = edge * float(start)
+        found.add(staged._boundary(fits, refused, refused * 1.02 if up else refused / 1.02))
+    assert len(found) == 1
+    point = found.pop()
+    assert fits(point) and abs(math.log(point / edge)) < 1e-7
+
+
 def test_addition_s_cruder_bound_answers_only_below_removal(monkeypatch):
     # sigma 0.684, q 0.0749 over 1.8e6 steps, addition's stages made not to fit (they
     # did not until the second stage could move onto a coarser grid): its Chernoff bound

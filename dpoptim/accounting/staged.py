@@ -246,13 +246,33 @@ def _plans(sigma: float, q: float, count: int, deltas: dict) -> bool:
 
 def _boundary(fits, refused: float, fitting: float) -> float:
     """A point within a part in 10^7 of where ``fits`` turns true between ``refused``
-    (false) and ``fitting`` (true), on the fitting side (geometric bisection)."""
+    (false) and ``fitting`` (true), on the fitting side, the same for every such pair
+    around one change: it is bisected within the cell of a fixed geometric lattice
+    (:data:`_LATTICE` points an octave) where ``fits`` changes, found by bisection over
+    the lattice points from beyond ``refused`` to beyond ``fitting``. Bisected from the
+    pair itself, it moved by a part in 10^7 with the run asked about, and epsilon with it
+    where the nearest dominating run answers (:func:`dominating_runs`): it rose by 6e-8 of
+    itself as sigma grew by 0.1% past 0.566 (q 8.45e-4, 10^8 steps, delta 3.6e-9). Where
+    the lattice point beyond ``fitting`` does not fit, the pair itself is bisected."""
+    up = 1.0 if fitting > refused else -1.0  # the direction from refused to fitting, in log2 units
+    low = math.floor(up * math.log2(refused) * _LATTICE)  # (lattice indices along that direction)
+    high = math.ceil(up * math.log2(fitting) * _LATTICE)
+    point = lambda k: 2.0 ** (up * k / _LATTICE)  # noqa: E731
+    if fits(point(high)) and not fits(point(low)):
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (low, middle) if fits(point(middle)) else (middle, high)
+        refused, fitting = point(low), point(high)
     for _ in range(40):
         if abs(math.log(fitting / refused)) < 1e-7:
             break
         middle = math.sqrt(refused * fitting)
         refused, fitting = (refused, middle) if fits(middle) else (middle, fitting)
     return fitting
+
+
+#: Points an octave of the lattice :func:`_boundary` first bisects over.
+_LATTICE = 4096
 
 
 def _central_limit_epsilon(sigma: float, q: float, count: int, delta: float) -> float:
