@@ -438,15 +438,33 @@ def _plan(sigma: float, q: float, count: int, direction: str, delta: float, gues
         return None
     # the body's spread first (cheap): where rare large losses set the tilted one,
     # connect-the-dots of a body narrower than a bin adds T h E|L| of variance, not T h^2 / 4
-    h = _finer(sigma, q, direction, h, coarsest, cut, _body_deviation(_step(sigma, q, direction, h, cut)[1], h))
-    if h is None:
+    body = _finer(sigma, q, direction, h, coarsest, cut, _body_deviation(_step(sigma, q, direction, h, cut)[1], h))
+    if body is None and not _spread_within(sigma, q, direction, h, cut):
         return None  # a body far narrower than the tail is long: the split of .rare's regime
+    h = h if body is None else body
     first, masses, _ = _step(sigma, q, direction, h, cut)
     tilt = _chernoff_tilt(_step_log_mgf(sigma, q, direction, h, cut), count, guess)
     h = _finer(sigma, q, direction, h, coarsest, cut, _tilted_deviation(first, masses, h, tilt))
     if h is None:
         return None
     return _Plan(h, max(2, 2 ** round(0.25 * math.log2(count))), tilt)
+
+
+def _spread_within(sigma: float, q: float, direction: str, h: float, cut: float) -> bool:
+    r"""Whether bins ``h`` spread a step's loss by at most the variance bins of
+    :data:`_BIN_OF_SPREAD` of its own deviation would (:math:`h^2/4` at most, a 2^-12
+    share of its variance), where its body lies within a bin and so cannot size them
+    (:func:`_plan`). A loss :math:`\ell` in a bin ``h`` wide is spread by at most
+    :math:`\min(h|\ell|, h^2/4)`, so by at most :math:`\min(h\,\mathbb E|L|, h^2/4)` on
+    average (Gauss-Hermite moments of the loss below the step's window top: a guide,
+    as bins only decide tightness). Where the sampled steps, not the body, make the loss's
+    variance, that can hold on bins far wider than the body: sigma 0.276, q 7.5e-5 over
+    10^8 steps (7,500 steps sampled on average), delta 3.1e-9, whose body asked for bins
+    64 times finer than the window allows, were refused and composed on one grid of
+    2^22 points in 1.2 s (3,566.61); in stages they take 0.23 s (3,564.20)."""
+    top = _pld._loss_cut(sigma, q, direction, cut)
+    spread = min(h * _pld._mean_absolute_loss(sigma, q, direction, -math.inf, top), h * h / 4.0)
+    return spread <= _BIN_OF_SPREAD**2 / 4.0 * _pld._loss_moments(sigma, q, direction, top)[1]
 
 
 def _finer(sigma: float, q: float, direction: str, h: float, coarsest: float, cut: float,
