@@ -253,11 +253,15 @@ def _boundary(fits, refused: float, fitting: float) -> float:
     pair itself, it moved by a part in 10^7 with the run asked about, and epsilon with it
     where the nearest dominating run answers (:func:`dominating_runs`): it rose by 6e-8 of
     itself as sigma grew by 0.1% past 0.566 (q 8.45e-4, 10^8 steps, delta 3.6e-9). Where
-    the lattice point beyond ``fitting`` does not fit, the pair itself is bisected."""
+    the lattice point beyond ``fitting`` does not fit, or the one beyond ``refused`` does,
+    the pair itself is bisected."""
     up = 1.0 if fitting > refused else -1.0  # the direction from refused to fitting, in log2 units
     low = math.floor(up * math.log2(refused) * _LATTICE)  # (lattice indices along that direction)
     high = math.ceil(up * math.log2(fitting) * _LATTICE)
-    point = lambda k: 2.0 ** (up * k / _LATTICE)  # noqa: E731
+
+    def point(k: int) -> float:
+        return 2.0 ** (up * k / _LATTICE)
+
     if fits(point(high)) and not fits(point(low)):
         while high - low > 1:
             middle = (low + high) // 2
