@@ -153,6 +153,23 @@ def test_epsilon_stays_monotone_where_the_stages_stop_fitting_as_sigma_grows():
     assert all(b <= a for a, b in zip(values, values[1:])), values
 
 
+def test_the_band_of_dominating_runs_ends_where_the_rdp_guess_has_grown_by_four_percent(monkeypatch):
+    # sigma 0.173, q 1.17e-5 over 10^8 steps, delta 6.6e-9: the stages fit 1.3% below that
+    # sigma, where epsilon is 6% above the one grid's answer here, and searching for that
+    # boundary and composing its stages cost 0.58 s for nothing. The band now ends where
+    # the RDP guess has grown by 4% (at sigma 0.1723), and holds no such run.
+    sigma, q, steps, delta = 0.173363353660052, 1.167882915275472e-05, 10**8, 6.6e-9
+    deltas = {REMOVE: delta, ADD: delta}
+    assert staged.dominating_runs(sigma, q, steps, deltas) == []
+    # where the guess grows slowly the band is 2% (q up), where fast the 4% rise ends it
+    assert staged._within_rise(lambda x: x, 1e-3, 1.02e-3, 1e-3) == 1.02e-3
+    edge = staged._within_rise(lambda x: x**-8, 0.5, 0.5 / 1.02, 0.5**-8)
+    assert edge == pytest.approx(0.5 * 1.04 ** (-1 / 8), rel=1e-12)
+    monkeypatch.setattr(staged, "_NEIGHBOUR_RISE", math.inf)  # the band of 2% alone
+    (neighbour,) = staged.dominating_runs(sigma, q, steps, deltas)
+    assert sigma / 1.02 < neighbour[0] < sigma / 1.01 and neighbour[1:] == (q, steps)
+
+
 @pytest.mark.parametrize("edge, up", [(1.2345678, True), (0.7654321, False)])
 def test_the_boundary_of_the_stages_plan_is_the_same_from_every_run_beside_it(edge, up):
     # q grows toward the plan (up), or sigma falls toward it: from every run refused within

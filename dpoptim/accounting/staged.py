@@ -211,16 +211,22 @@ def dominating_runs(sigma: float, q: float, count: int, deltas: dict) -> list:
     nearest run on that side whose stages plan fits, within :data:`_NEIGHBOUR_BAND`
     (its boundary found by bisection), bounds every run just before it: epsilon then
     meets the stages' value continuously. Farther away epsilon has grown by more than
-    the grid's excess, and the grid's answer is the smaller."""
+    the grid's excess, and the grid's answer is the smaller. Where epsilon grows faster
+    than sigma falls (small sigma), the band ends where the RDP guess has grown by
+    :data:`_NEIGHBOUR_RISE` (:func:`_within_rise`): sigma 0.173, q 1.2e-5, 10^8 steps,
+    delta 6.6e-9 searched 0.35 s for the plan's boundary 1.3% below, whose stages then
+    answered 8,061 in 0.23 s, 6% above the grid's 7,575."""
     if count < MIN_STEPS:
         return [(sigma, q, MIN_STEPS)] if count >= _NEAR_MIN_STEPS * MIN_STEPS else []
     if _plans(sigma, q, count, deltas):
         return []  # refused past the plan: no boundary of the plan's to meet
-    runs = []
+    runs, delta = [], min(deltas.values())
+    guess = _pld._rdp_guess(((sigma, q, count),), delta)
     top = min(q * _NEIGHBOUR_BAND, 0.5 * (1.0 + q))
+    top = _within_rise(lambda x: _pld._rdp_guess(((sigma, x, count),), delta), q, top, guess)
     if q < 1.0 and _plans(sigma, top, count, deltas):
         runs.append((sigma, _boundary(lambda x: _plans(sigma, x, count, deltas), q, top), count))
-    bottom = sigma / _NEIGHBOUR_BAND
+    bottom = _within_rise(lambda x: _pld._rdp_guess(((x, q, count),), delta), sigma, sigma / _NEIGHBOUR_BAND, guess)
     if _plans(bottom, q, count, deltas):
         runs.append((_boundary(lambda x: _plans(x, q, count, deltas), sigma, bottom), q, count))
     return runs
@@ -229,6 +235,24 @@ def dominating_runs(sigma: float, q: float, count: int, deltas: dict) -> list:
 #: How far :func:`dominating_runs` looks (a factor on q or sigma): epsilon grows by at
 #: least about as much, more than one grid's excess over the stages.
 _NEIGHBOUR_BAND = 1.02
+
+#: ... and no farther than where the RDP guess has grown by this factor (:func:`_within_rise`).
+_NEIGHBOUR_RISE = 1.04
+
+
+def _within_rise(guess_at, start: float, edge: float, guess: float) -> float:
+    """``edge``, or where the RDP guess (``guess_at``) has grown by :data:`_NEIGHBOUR_RISE`
+    from ``guess`` at ``start`` on the way there, if nearer (interpolated geometrically:
+    the guess grows about as a power there). Any band is sound; it only decides which
+    nearby runs bound this one, and it holds every run near enough to the plan's
+    boundary, where epsilon meets the stages' value."""
+    if not 0.0 < guess < math.inf:
+        return edge
+    rise = guess_at(edge) / guess
+    if not rise > _NEIGHBOUR_RISE:
+        return edge
+    return start * (edge / start) ** (math.log(_NEIGHBOUR_RISE) / math.log(rise))
+
 
 #: Runs from this share of :data:`MIN_STEPS` on are also bounded by that many steps.
 _NEAR_MIN_STEPS = 0.9
