@@ -233,16 +233,24 @@ def test_a_direction_below_the_others_settled_stages_needs_no_extended_precision
     assert sorted(stages) == [8, 8, extended]
 
 
+def _asking_beside_the_other(shift: float, direction: str, epsilon: float) -> tuple:
+    """``(finals, thread, answers)``: both directions composing their double-precision
+    stage, and ``direction`` asking on a thread of its own whether ``epsilon`` lies below."""
+    from dpoptim.accounting import staged
+
+    finals, answers = staged._Finals(shift=shift), []
+    finals.stage("remove", True)
+    finals.stage("add", True)
+    thread = threading.Thread(target=lambda: answers.append(finals.below(direction, epsilon)))
+    thread.start()
+    time.sleep(0.2)
+    return finals, thread, answers
+
+
 def test_a_direction_waits_for_the_others_double_precision_stage_and_for_nothing_else():
     from dpoptim.accounting import staged
 
-    finals = staged._Finals(shift=0.5)
-    finals.stage("remove", True)
-    finals.stage("add", True)
-    asked = []
-    waiter = threading.Thread(target=lambda: asked.append(finals.below("add", 2.0)))
-    waiter.start()
-    time.sleep(0.2)
+    finals, waiter, asked = _asking_beside_the_other(0.5, "add", 2.0)
     assert waiter.is_alive()  # removal composes its double-precision stage: addition waits for it
     finals.done("remove", (2.5, True))
     waiter.join(10.0)
@@ -255,13 +263,7 @@ def test_a_direction_waits_for_the_others_double_precision_stage_and_for_nothing
     other.done("remove", (9.0, False))
     assert not other.below("add", 0.0)
     # both unsettled at once: asking ends the other's wait, and neither waits for the other
-    both = staged._Finals(shift=0.0)
-    both.stage("remove", True)
-    both.stage("add", True)
-    answers = []
-    first = threading.Thread(target=lambda: answers.append(both.below("remove", 1.0)))
-    first.start()
-    time.sleep(0.1)
+    both, first, answers = _asking_beside_the_other(0.0, "remove", 1.0)
     answers.append(both.below("add", 1.0))
     first.join(10.0)
     assert not first.is_alive() and answers == [False, False]
