@@ -222,6 +222,32 @@ def test_the_refinement_floor_read_below_the_answer_is_the_whole_windows(monkeyp
             assert whole <= losses[high] - pld_module._FLOOR_SHARE * abs(losses[high]) + (losses[1] - losses[0])
 
 
+def test_the_refinement_floor_is_the_same_whatever_its_blocks(monkeypatch):
+    # pld._refinement_floor reads the window from the answer down in blocks and stops at
+    # the first that holds a point above delta; its running sums go on from block to block
+    # in the order of one pass over the whole window, so blocks of any length, one point
+    # or the whole window, give the same floor to the last bit (float64 and extended).
+    read, floor = [], pld_module._refinement_floor
+    monkeypatch.setattr(pld_module, "_refinement_floor", lambda *args: read.append(args) or floor(*args))
+    pld_module._noted_pld_epsilon.cache_clear()
+    for runs, delta in (([(267.92, 1.839e-3, 1)], 2.651e-6), ([(0.3, 0.3, 1000)], 1e-10),
+                        ([(4.04, 0.722, 10**8)], 2.1e-12)):
+        pld_epsilon(runs, delta)
+    pld_module._noted_pld_epsilon.cache_clear()
+    assert len(read) >= 3
+    spans = [high - np.searchsorted(losses, losses[high] * (1.0 - pld_module._FLOOR_SHARE)) for
+             (_, _, losses, _), (_, high), _, _ in read]
+    assert max(spans) > 64  # (several blocks of 1 to 64 points)
+    for (tilted, log_untilt, losses, noise), span, seeds, delta in read:
+        for dtype in (np.float64, np.longdouble):
+            args = ((tilted.astype(dtype), log_untilt, losses, noise), span, seeds, delta)
+            values = []
+            for block in (1, 7, 64, 2**40):
+                monkeypatch.setattr(pld_module, "_FLOOR_BLOCK", block)
+                values.append(floor(*args))
+            assert values[:-1] == values[1:], values
+
+
 def _whole_window_floor(tilted, log_untilt, losses, noise, span, delta) -> float:
     """The least epsilon where every point from it up to the answer's has its sums less
     their allowance at most delta, from every point above the first valid one, the sums

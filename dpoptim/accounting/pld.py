@@ -5844,38 +5844,70 @@ def _refinement_floor(profile: tuple, span: tuple, seeds: tuple, delta: float) -
     ``(tilted, log_untilt, losses, noise)`` of :func:`_invert_profile`; ``span``: its first
     valid point and the answer's point ``high``; ``seeds``: the sums of the masses above
     ``high`` and of their :math:`m_j e^{l_{high} - l_j}`. Read from :data:`_FLOOR_SHARE` of
-    the answer below it up (the window below, at 2^22 points, took 0.28 s a reading); 0
-    where no point is reached there.
+    the answer below it up at most; 0 where no point is reached there.
 
     Any tilt and precision composes the same grid distributions, whose exact profile is
     at least :math:`A_k - W_k - \text{allowance}_k` at each point (the allowance bounds
     the rounding of the sums, and the constant terms are at least 0) and does not
     increase with k: it is at least the largest of those from k on. Where that envelope
     first reaches delta (read within its bin as :func:`_within_bin` reads the answer),
-    no refinement can certify a smaller epsilon. At 2^20 points an answer refined in
-    extended precision takes 4 s a direction, and rounding may decide an answer by a
-    few parts in 10^5 of it (300 runs of 1000 steps, q 0.055 to 0.37: 6594.24 against
-    6592.91). This only steers the work: the answer is sound either way."""
-    tilted, log_untilt, losses, noise = profile
-    (first_valid, high), (above_high, weighted_high) = span, seeds
-    start, slope, _ = _linear_rates(log_untilt, losses, first_valid)
+    no refinement can certify a smaller epsilon. That is just above the highest point
+    whose bound lies above delta, so the points are read from the answer down, in blocks
+    (:func:`_floor_blocks`), up to the first block that holds one: at huge epsilon the
+    window below the answer spans most of the grid (3.1 million of 2^22 points at
+    sigma 0.022 over 10^8 steps, 0.45 s a reading), where the floor lay in the first
+    block. At 2^20 points an answer refined in extended precision takes 4 s a direction,
+    and rounding may decide an answer by a few parts in 10^5 of it (300 runs of 1000
+    steps, q 0.055 to 0.37: 6594.24 against 6592.91). This only steers the work: the
+    answer is sound either way."""
+    losses, (first_valid, high) = profile[2], span
     lowest = float(losses[high]) - _FLOOR_SHARE * abs(float(losses[high]))
     bottom = max(first_valid + 1, int(np.searchsorted(losses, lowest, side="left")) - 1)
-    part = slice(bottom, high + 1)
-    masses = tilted[part] * _exp_linear(start + slope * (bottom - first_valid), slope, high + 1 - bottom)
-    with np.errstate(divide="ignore"):  # the weighted sums in log space, from what lies above ``high``
+    for low, lowered, weighted in _floor_blocks(profile, (first_valid, bottom, high), seeds):
+        above = np.flatnonzero(~(lowered <= delta))  # (NaN counts as above)
+        if above.size:
+            j, k = int(above[-1]), low + int(above[-1]) + 1 - bottom
+            if k > high - bottom:
+                return 0.0  # (not even the answer's point reached: other tilts validate other points)
+            return _within_bin(float(lowered[j] + weighted[j]) - delta, float(weighted[j]), losses[bottom:high + 1], k)
+    return 0.0  # (at the range's bottom or below: other tilts validate other points)
+
+
+#: :func:`_floor_blocks`' first block, in points; each next one is twice as long.
+_FLOOR_BLOCK = 2**12
+
+
+def _floor_blocks(profile: tuple, span: tuple, seeds: tuple):
+    """For :func:`_refinement_floor`: ``(low, lowered, weighted)`` over blocks of grid points
+    ``low, low + 1, ...`` from ``high`` down to ``bottom`` (``span``: ``(first_valid,
+    bottom, high)``), the first :data:`_FLOOR_BLOCK` long and each next twice as long:
+    the bound :math:`(A_k - W_k)_+ - \text{allowance}_k` and :math:`W_k`. Each running
+    sum goes on from the block above it in the same order as over the whole window at
+    once, so every value is the same as there."""
+    tilted, log_untilt, losses, noise = profile
+    (first_valid, bottom, high), (above_high, weighted_high) = span, seeds
+    start, slope, _ = _linear_rates(log_untilt, losses, first_valid)
+    start, length = start + slope * (bottom - first_valid), _block_length(slope, _EXP_BLOCK)
+    decay = float(log_untilt[0] - log_untilt[1])
+    with np.errstate(divide="ignore"):
         seed = math.log(weighted_high) - float(losses[high]) if weighted_high > 0.0 else -math.inf
-        inclusive = np.logaddexp.accumulate(np.concatenate([[seed], (np.log(masses) - losses[part])[:0:-1]]))[::-1]
-    weighted, losses = np.exp(inclusive + losses[part]), losses[part]
-    decay, points = float(log_untilt[0] - log_untilt[1]), np.arange(bottom, high + 1)
-    allowance = _allowances(noise, log_untilt[part], decay, log_untilt.size - 1.0 - points)
-    lowered = np.maximum(_suffix_sum(masses) + above_high - weighted, 0.0) - allowance
-    envelope = np.maximum.accumulate(lowered[::-1])[::-1]
-    reached = np.flatnonzero(envelope <= delta)  # (the answer's point is among them)
-    if reached.size == 0 or reached[0] == 0:
-        return 0.0  # (at the range's bottom or below: other tilts validate other points)
-    k = int(reached[0])
-    return _within_bin(float(lowered[k - 1] + weighted[k - 1]) - delta, float(weighted[k - 1]), losses, k)
+    sums, logs, size, top = None, [seed], _FLOOR_BLOCK, high + 1  # (carries kept as arrays: their dtype stays)
+    while top > bottom:
+        low = max(bottom, top - size)
+        first, last = (low - bottom) // length, (top - 1 - bottom) // length + 1
+        with np.errstate(under="ignore", divide="ignore"):
+            outer = np.exp(start + (slope * length) * np.arange(first, last))[:, None] * np.exp(slope * np.arange(length))
+            masses = tilted[low:top] * outer.ravel()[low - bottom - first * length:top - bottom - first * length]
+            terms = np.log(masses) - losses[low:top]
+            running = np.logaddexp.accumulate(np.concatenate([logs, terms[:0:-1]]))
+        reversed_sums = np.cumsum(masses[::-1] if sums is None else np.concatenate([sums, masses[::-1]]))
+        inclusive = (reversed_sums if sums is None else reversed_sums[1:])[::-1]
+        suffix = np.concatenate([inclusive[1:], [0.0] if sums is None else sums])
+        weighted = np.exp((running if sums is None else running[1:])[::-1] + losses[low:top])
+        allowance = _allowances(noise, log_untilt[low:top], decay, log_untilt.size - 1.0 - np.arange(low, top))
+        yield low, np.maximum(suffix + above_high - weighted, 0.0) - allowance, weighted
+        sums, logs = inclusive[:1], np.concatenate([running[-1:], terms[:1]])
+        top, size = low, 2 * size
 
 
 #: :func:`_refinement_floor` reads the profile from this share of the answer below it: it
