@@ -4660,7 +4660,8 @@ def _compose_direction(steps, direction, grid: _Grid, delta, dtype, lower: bool 
     # Rounding to float64 from here on is relative, entry by entry: harmless.
     tilted = _rolled(composed, grid.i_low % n)
     np.maximum(tilted, 0.0, out=tilted)  # negative rounding noise: covered by the allowance
-    losses = _grid_losses(grid.i_low, n, spacing)
+    losses = np.arange(grid.i_low, grid.i_low + n, dtype=np.float64)  # (whole numbers: exact)
+    losses *= spacing
     log_untilt = _untilting(parts.cgf, grid.tilt, losses)
     unit = float(np.finfo(dtype).eps) / 2
     noise = _rounding_allowance(n, parts.total_steps, np.exp(parts.log_weight),
@@ -4690,14 +4691,6 @@ def _rolled(values: np.ndarray, start: int) -> np.ndarray:
     out[:values.size - start] = values[start:]
     out[values.size - start:] = values[:start]
     return out
-
-
-def _grid_losses(low: int, n: int, spacing: float) -> np.ndarray:
-    """``(low + np.arange(n)) * spacing`` in one new array: the indices are whole numbers
-    (exact in float64), multiplied in place."""
-    losses = np.arange(low, low + n, dtype=np.float64)
-    losses *= spacing
-    return losses
 
 
 def _untilting(cgf, tilt: float, losses: np.ndarray) -> np.ndarray:
