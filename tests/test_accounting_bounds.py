@@ -26,6 +26,8 @@ from dpoptim.accounting import ledger as ledger_module
 from dpoptim.accounting.gaussian import (
     gaussian_deltas_below,
     mixture_delta,
+    mixture_delta_lower_bound,
+    mixture_delta_lower_bound_ceiling,
     mixture_epsilon,
     mixture_epsilon_lower_bound,
 )
@@ -139,6 +141,39 @@ def test_tiny_sigma_and_q_get_the_narrow_window(sigma, q, steps, delta):
     # (0.27%); a step's bottom may now lie below the window's.
     upper = epsilon(sigma, q, steps, delta)
     assert_bracketed(upper, mixture_epsilon_lower_bound(sigma, q, steps, delta), rel=1e-3)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.floats(-3.0, 0.5), st.floats(-4.0, -0.31), st.integers(0, 6), st.floats(-12.0, -1.0))
+def test_the_mixture_lower_bound_stays_below_its_ceiling(log_sigma, log_q, log_steps, log_delta):
+    # The certification of the Gaussian mixture (pld._certified_mixture) sums its lower
+    # bound only where a cheap ceiling on it lies above delta. The ceiling must lie above
+    # the lower bound at every epsilon, or a certification could be skipped: read from a
+    # third of the mixture bound (where the lower bound is large) to twice it.
+    sigma, q, delta = 10.0**log_sigma, 10.0**log_q, 10.0**log_delta
+    steps = max(1, round(10.0**log_steps))
+    mixture = mixture_epsilon(sigma, q, steps, delta)
+    assume(0.0 < mixture < math.inf)
+    for eps in mixture * np.array([0.3, 0.6, 0.9, 1.0 / 1.001, 2.0]):
+        assert mixture_delta_lower_bound_ceiling(eps, sigma, q, steps) >= mixture_delta_lower_bound(eps, sigma, q, steps)
+
+
+def test_the_ceiling_spares_the_lower_bound_and_changes_no_certification(monkeypatch):
+    # Over long runs at moderate sigma the ceiling already lies below delta (no sum over
+    # every count), while tiny sigma is still certified; each answer is the same without it.
+    from dpoptim.accounting import pld as pld_module
+
+    points = [(0.3, 2e-3, 10**8, 1e-9), (1.1, 0.004, 10**6, 1e-5), (0.05, 1e-3, 10**7, 1e-6),
+              (0.004, 0.01, 10**5, 1e-8), (0.0188, 2.06e-4, 10**8, 2.3e-5), (0.3, 0.4, 1000, 1e-5)]
+    ruled_out = 0
+    found = []
+    for sigma, q, steps, delta in points:
+        mixture = mixture_epsilon(sigma, q, steps, delta)
+        ruled_out += mixture_delta_lower_bound_ceiling(mixture / 1.001, sigma, q, steps) <= delta
+        found.append(pld_module._certified_mixture(sigma, q, steps, delta))
+    assert ruled_out >= 3 and any(value is not None for value in found)
+    monkeypatch.setattr(pld_module, "mixture_delta_lower_bound_ceiling", lambda *args: math.inf)
+    assert [pld_module._certified_mixture(*point) for point in points] == found
 
 
 def test_tiny_sigma_is_monotone_where_it_used_to_jump():

@@ -315,6 +315,32 @@ def mixture_delta_lower_bound(epsilon: float, sigma: float, q: float, steps: int
     return _lower_profile(sigma, q, steps)(float(epsilon))
 
 
+def mixture_delta_lower_bound_ceiling(epsilon: float, sigma: float, q: float, steps: int) -> float:
+    r"""An upper bound on :func:`mixture_delta_lower_bound` at ``epsilon``, at a small part of
+    its cost where many steps are sampled: it says where that bound cannot exceed a
+    delta, without summing it over every count (10^8 steps at q 2e-3 sum 53,000 binomial
+    masses, 9 ms).
+
+    The lower bound sums :math:`\Pr[K = k]\, \delta_G(\varepsilon - c_k; \sqrt k / \sigma)`
+    over the counts :math:`k \ge 1`, with :math:`c_k = k \log q + (T - k) \log(1 - q)`,
+    which falls with ``k`` for q below 1/2. Below a count :math:`k_0` (12 standard
+    deviations below the mean) each term is at most :math:`\Pr[K = k]`; from it on,
+    :math:`\delta_G` falls with its first argument, so each term is at most its value at
+    :math:`c_{k_0}`, and their sum at most the Gaussian mixture bound
+    :func:`mixture_delta` at :math:`\varepsilon - c_{k_0}`, which bounds that sum over
+    every count. So the lower bound is at most :math:`\Pr[1 \le K < k_0] +` that, here
+    rounded up by a part in 10^6 (far above the rounding of either sum). Infinite (no
+    bound) at q of 1/2 or more, where the shifts grow with the count."""
+    if not 0.0 < q < 0.5 or steps == 0:
+        return math.inf
+    mean, std = steps * q, math.sqrt(steps * q * (1.0 - q))
+    first = max(1, int(mean - 12.0 * std))
+    log_1mq = math.log1p(-q)
+    shift = first * (math.log(q) - log_1mq) + steps * log_1mq  # c_k at the first count kept
+    below = float(binom(steps, q).cdf(first - 1)) if first > 1 else 0.0
+    return (below + float(mixture_delta(float(epsilon) - shift, sigma, q, steps))) * (1.0 + 1e-6)
+
+
 def _lower_profile(sigma: float, q: float, steps: int):
     dist = binom(steps, q)
     mean, std = steps * q, math.sqrt(steps * q * (1.0 - q))

@@ -137,6 +137,7 @@ from .gaussian import (
     gaussian_mu,
     ledger_mixture_epsilon,
     mixture_delta_lower_bound,
+    mixture_delta_lower_bound_ceiling,
     mixture_epsilon,
     mixture_epsilon_lower_bound,
 )
@@ -931,9 +932,13 @@ _DECIDING_DELTA = 1e-8
 
 def _certified_mixture(sigma: float, q: float, count: int, delta: float) -> float | None:
     """The Gaussian mixture bound where its own lower bound certifies it within 0.1% of the
-    exact epsilon (tiny sigma: no PLD grid can do noticeably better), else None."""
+    exact epsilon (tiny sigma: no PLD grid can do noticeably better), else None. That lower
+    bound is summed only where its cheap ceiling does not already rule it out
+    (:func:`~dpoptim.accounting.gaussian.mixture_delta_lower_bound_ceiling`: the same
+    answer either way)."""
     mixture = mixture_epsilon(sigma, q, count, delta)
-    if 0.0 < mixture < math.inf and mixture_delta_lower_bound(mixture / 1.001, sigma, q, count) > delta:
+    if (0.0 < mixture < math.inf and mixture_delta_lower_bound_ceiling(mixture / 1.001, sigma, q, count) > delta
+            and mixture_delta_lower_bound(mixture / 1.001, sigma, q, count) > delta):
         return mixture
     return None
 
