@@ -248,6 +248,16 @@ def test_the_refinement_floor_is_the_same_whatever_its_blocks(monkeypatch):
             assert values[:-1] == values[1:], values
 
 
+@pytest.mark.parametrize("slope", [-1e-3, -0.7, -2.0, 0.0])
+def test_a_part_of_the_block_exponentials_is_that_part_of_the_whole(slope):
+    # pld._exp_linear counts its blocks from k = 0 whatever part is asked for, so the
+    # refinement floor's blocks get the very values one pass over the window gets.
+    whole = pld_module._exp_linear(3.0, slope, 10_000)
+    assert np.allclose(whole, np.exp(3.0 + slope * np.arange(10_000)), rtol=1e-12, atol=1e-300)  # (subnormal: absolute)
+    for skip, size in ((0, 10_000), (1, 5_000), (1_023, 2), (1_024, 4_000), (5_000, 5_000), (9_999, 1), (3_000, 0)):
+        assert np.array_equal(pld_module._exp_linear(3.0, slope, size, skip), whole[skip:skip + size])
+
+
 def _whole_window_floor(tilted, log_untilt, losses, noise, span, delta) -> float:
     """The least epsilon where every point from it up to the answer's has its sums less
     their allowance at most delta, from every point above the first valid one, the sums

@@ -5892,17 +5892,14 @@ def _floor_blocks(profile: tuple, span: tuple, seeds: tuple):
     tilted, log_untilt, losses, noise = profile
     (first_valid, bottom, high), (above_high, weighted_high) = span, seeds
     start, slope, _ = _linear_rates(log_untilt, losses, first_valid)
-    start, length = start + slope * (bottom - first_valid), _block_length(slope, _EXP_BLOCK)
-    decay = float(log_untilt[0] - log_untilt[1])
+    start, decay = start + slope * (bottom - first_valid), float(log_untilt[0] - log_untilt[1])
     with np.errstate(divide="ignore"):
         seed = math.log(weighted_high) - float(losses[high]) if weighted_high > 0.0 else -math.inf
     sums, logs, size, top = None, [seed], _FLOOR_BLOCK, high + 1  # (carries kept as arrays: their dtype stays)
     while top > bottom:
         low = max(bottom, top - size)
-        first, last = (low - bottom) // length, (top - 1 - bottom) // length + 1
-        with np.errstate(under="ignore", divide="ignore"):
-            outer = np.exp(start + (slope * length) * np.arange(first, last))[:, None] * np.exp(slope * np.arange(length))
-            masses = tilted[low:top] * outer.ravel()[low - bottom - first * length:top - bottom - first * length]
+        masses = tilted[low:top] * _exp_linear(start, slope, top - low, low - bottom)  # (as from ``bottom`` on)
+        with np.errstate(divide="ignore"):
             terms = np.log(masses) - losses[low:top]
             running = np.logaddexp.accumulate(np.concatenate([logs, terms[:0:-1]]))
         reversed_sums = np.cumsum(masses[::-1] if sums is None else np.concatenate([sums, masses[::-1]]))
@@ -5925,18 +5922,20 @@ _FLOOR_SHARE = 2.0**-5
 _EXP_BLOCK = 1024
 
 
-def _exp_linear(start: float, slope: float, size: int) -> np.ndarray:
-    """``exp(start + slope * k)`` for ``k = 0 .. size - 1`` (``start <= 300``, ``slope <= 0``),
-    as the outer product of two short exponentials, over blocks and within a block (of
-    :func:`_block_length`, whose factors are normal numbers): as accurate as one
-    exponential per entry (a few units of round-off relative to the exponent's size, and
-    2^-1074 where the entry itself is subnormal) at a small part of its cost."""
+def _exp_linear(start: float, slope: float, size: int, skip: int = 0) -> np.ndarray:
+    """``exp(start + slope * k)`` for ``k = skip .. skip + size - 1`` (``start <= 300``,
+    ``slope <= 0``), as the outer product of two short exponentials, over blocks and
+    within a block (of :func:`_block_length`, whose factors are normal numbers, counted
+    from ``k = 0`` whatever ``skip``, so that a part comes out as it does in the whole):
+    as accurate as one exponential per entry (a few units of round-off relative to the
+    exponent's size, and 2^-1074 where the entry itself is subnormal) at a small part of
+    its cost."""
     length = _block_length(slope, _EXP_BLOCK)
-    blocks = -(-size // length)
+    first, last = skip // length, -(-(skip + size) // length)
     with np.errstate(under="ignore"):
-        outer = (np.exp(start + (slope * length) * np.arange(blocks))[:, None]
+        outer = (np.exp(start + (slope * length) * np.arange(first, last))[:, None]
                  * np.exp(slope * np.arange(length)))
-    return outer.ravel()[:size]
+    return outer.ravel()[skip - first * length:skip - first * length + size]
 
 
 def _suffix_sum(values: np.ndarray) -> np.ndarray:
