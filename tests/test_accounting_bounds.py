@@ -667,6 +667,56 @@ def test_a_tails_points_keep_the_bulks_gap_and_at_most_most_near_it(a, log_step,
     assert np.count_nonzero(points < min(start, top)) <= (most if math.isfinite(most) else points.size) + 2
 
 
+@settings(max_examples=40, deadline=None)
+@given(a=st.floats(-3.0, 3.0), log_step=st.integers(-24, -8), start=st.floats(0.0, 2.0), top=st.floats(1e-3, 40.0),
+       most=st.one_of(st.integers(2, 5000), st.just(math.inf)))
+def test_a_tails_far_gaps_grow_by_their_share_of_the_distance(a, log_step, start, top, most):
+    # Past the near points, each gap is at most the last near gap plus _FAR_GROWTH times
+    # how far its lower point lies past them (what the docstring's bound on a moved far
+    # loss rests on), the gaps never shrink but at `top`, and they are as few as that allows.
+    step = 2.0**log_step
+    start, top = a + start, a + top
+    assume((min(start, top) - a) / step < 2e6)
+    points = rare._tail_points(a, step, start, top, most)
+    near_end = int(np.searchsorted(points, min(start, top), side="left"))
+    assume(near_end + 2 < points.size)
+    wide = points[near_end] - points[near_end - 1] if near_end > 1 else step
+    far, gaps = points[near_end:], np.diff(points[near_end:])
+    ulp = 8.0 * np.spacing(abs(a) + abs(top) + 4.0)
+    assert np.all(gaps > 0)
+    assert np.all(gaps <= (wide + rare._FAR_GROWTH * (far[:-1] - far[0])) * (1 + 1e-9) + ulp)
+    assert np.all(np.diff(gaps[:-1]) >= -ulp)  # (the last gap stops at top)
+    most_far = math.log1p((top - far[0]) / wide * rare._FAR_GROWTH) / math.log1p(rare._FAR_GROWTH)
+    assert gaps.size <= math.ceil(most_far) + 1
+
+
+def test_far_tail_points_grown_coarser_move_the_split_by_rounding_only(monkeypatch):
+    # The far points' density barely matters (see rare._FAR_GROWTH): removal's split of
+    # one step at sigma 0.7, q 1e-4, delta 1e-10 on far gaps growing by 2^-14 a point (16
+    # thousand far points) and by the default (1.6 thousand) agree to 1e-8 of epsilon.
+    counts = []
+    points = rare._tail_points
+
+    def counted(a, step, start, top, most=math.inf):
+        found = points(a, step, start, top, most)
+        counts.append(int(np.count_nonzero(found > min(start, top))))
+        return found
+
+    def split(growth):
+        monkeypatch.setattr(rare, "_FAR_GROWTH", growth)
+        rare._split_epsilon.cache_clear()
+        counts.clear()
+        found = rare.split_epsilon(((0.7, 1e-4, 1),), "remove", 1e-10, 1.0)
+        rare._split_epsilon.cache_clear()
+        return found[0], sum(counts)
+
+    monkeypatch.setattr(rare, "_tail_points", counted)
+    (default, few), (fine, many) = split(rare._FAR_GROWTH), split(2.0**-14)
+    assert many > 8 * few > 0
+    assert default == pytest.approx(fine, rel=1e-8)
+    assert one_step_profile(0.7, 1e-4, "remove", default) <= 1e-10 * (1 + 1e-6)
+
+
 @pytest.mark.parametrize("direction", ["remove", "add"])
 def test_a_one_step_split_on_capped_tail_points_stays_sound_and_close(monkeypatch, direction):
     # Tail points a power of two apart, coarser where their cap asks: any increasing points
