@@ -642,17 +642,29 @@ def test_one_step_split_against_the_exact_profile(sigma, q):
         assert lower == 0.0 or one_step_profile(sigma, q, direction, lower) >= delta * (1 - 1e-6)
 
 
+def tail_grids(farthest: float):
+    """Hypothesis draws of a tail's grid (:func:`rare._tail_points`): its first point, the
+    log2 of its step, how far ``start`` and ``top`` (up to ``farthest``) lie past the
+    first point, and ``most``."""
+    return given(a=st.floats(-3.0, 3.0), log_step=st.integers(-24, -8), start=st.floats(0.0, 2.0),
+                 top=st.floats(1e-3, farthest), most=st.one_of(st.integers(2, 5000), st.just(math.inf)))
+
+
+def drawn_tail_points(a, log_step, start, top, most) -> tuple:
+    """``(step, start, top, points)`` of a draw of :func:`tail_grids`."""
+    step = 2.0**log_step
+    start, top = a + start, a + top
+    assume((min(start, top) - a) / step < 2e6)
+    return step, start, top, rare._tail_points(a, step, start, top, most)
+
+
 @settings(max_examples=40, deadline=None)
-@given(a=st.floats(-3.0, 3.0), log_step=st.integers(-24, -8), start=st.floats(0.0, 2.0), top=st.floats(1e-3, 4.0),
-       most=st.one_of(st.integers(2, 5000), st.just(math.inf)))
+@tail_grids(4.0)
 def test_a_tails_points_keep_the_bulks_gap_and_at_most_most_near_it(a, log_step, start, top, most):
     # The first gap is the bulk's own (its last bin is shared with the tail); up to `start`
     # the gaps are one power-of-two multiple of `step`, `step` itself where `most` allows,
     # and no more than about `most` points lie there.
-    step = 2.0**log_step
-    start, top = a + start, a + top
-    assume((min(start, top) - a) / step < 2e6)
-    points = rare._tail_points(a, step, start, top, most)
+    step, start, top, points = drawn_tail_points(a, log_step, start, top, most)
     gaps = np.diff(points)
     assert points[0] == a and points[-1] == top and np.all(gaps > 0)
     ulp = 8.0 * np.spacing(abs(a) + 4.0)
@@ -668,16 +680,12 @@ def test_a_tails_points_keep_the_bulks_gap_and_at_most_most_near_it(a, log_step,
 
 
 @settings(max_examples=40, deadline=None)
-@given(a=st.floats(-3.0, 3.0), log_step=st.integers(-24, -8), start=st.floats(0.0, 2.0), top=st.floats(1e-3, 40.0),
-       most=st.one_of(st.integers(2, 5000), st.just(math.inf)))
+@tail_grids(40.0)
 def test_a_tails_far_gaps_grow_by_their_share_of_the_distance(a, log_step, start, top, most):
     # Past the near points, each gap is at most the last near gap plus _FAR_GROWTH times
     # how far its lower point lies past them (what the docstring's bound on a moved far
     # loss rests on), the gaps never shrink but at `top`, and they are as few as that allows.
-    step = 2.0**log_step
-    start, top = a + start, a + top
-    assume((min(start, top) - a) / step < 2e6)
-    points = rare._tail_points(a, step, start, top, most)
+    step, start, top, points = drawn_tail_points(a, log_step, start, top, most)
     near_end = int(np.searchsorted(points, min(start, top), side="left"))
     assume(near_end + 2 < points.size)
     wide = points[near_end] - points[near_end - 1] if near_end > 1 else step
