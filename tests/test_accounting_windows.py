@@ -8,7 +8,9 @@ own body there. Judged against the rigorous lower bound, and against the exact G
 of a full batch (composed without a grid), which a run at q just below 1 may not exceed.
 """
 
+import collections
 import math
+import threading
 import warnings
 
 import numpy as np
@@ -168,18 +170,20 @@ def test_a_wide_profile_is_read_at_a_few_points_as_the_whole_window_reads_it(mon
     # sums formed in extended precision and the weighted ones in log space.
     ledgers = [([(0.5, 0.2, 10_000)], 1e-10), ([(0.05, 0.001, 10**6)], 1e-9), ([(1.0, 0.5, 100_000)], 1e-12),
                ([(0.6, 0.05, 100_000), (0.3, 0.01, 1000)], 1e-8), ([(0.02, 6.7e-4, 10**8)], 9.2e-5)]
-    inverted, reads = [], []
+    # Addition and removal are inverted on two threads at once: reads are counted by thread.
+    inverted, reads = [], collections.Counter()
     invert, reader = pld_module._invert_profile, pld_module._suffix_reader
 
     def recording(*args, **kwargs):
+        before = reads[threading.get_ident()]
         found = invert(*args, **kwargs)
         if not kwargs.get("lower", False):
-            inverted.append((args, found, len(reads)))
+            inverted.append((args, found, reads[threading.get_ident()] - before))
         return found
 
     def counting(*args):
         read, depth, lost = reader(*args)
-        return (lambda i: reads.append(i) or read(i)), depth, lost
+        return (lambda i: reads.update((threading.get_ident(),)) or read(i)), depth, lost
 
     monkeypatch.setattr(pld_module, "_invert_profile", recording)
     monkeypatch.setattr(pld_module, "_suffix_reader", counting)
@@ -187,12 +191,11 @@ def test_a_wide_profile_is_read_at_a_few_points_as_the_whole_window_reads_it(mon
     for runs, delta in ledgers:
         pld_epsilon(runs, delta)
     pld_module._noted_pld_epsilon.cache_clear()
-    wide, before = [], 0
+    wide = []
     for args, found, count in inverted:
         losses = args[2]
         if losses[-1] - losses[np.argmax(args[1] <= 300.0)] >= 600.0 and math.isfinite(found[0]):
-            wide.append((args, found[0], count - before))
-        before = count
+            wide.append((args, found[0], count))
     assert len(wide) >= 5
     for (tilted, log_untilt, losses, constant, noise, delta), answer, count in wide:
         assert count <= 4 * math.log2(losses.size) + 8  # (a few reads a bisection step, two readers)
