@@ -6,6 +6,9 @@ the same answer; :func:`rare._settled_coarser` composes the split on the coarses
 scale allows and on twice them, and keeps their answer only where the two agree. These
 tests hold that answer to the one on the asked bins, and check that it is refused where
 the spread does move epsilon, where rounding decides, and where the bulks are small.
+Where the split is sized anew for its answer, :func:`rare._settled_across` first tries
+bins half as wide as the scale above composed, against that scale's answer: held to
+the asked bins' answer too, and not tried where the asked bins may not fit.
 """
 
 import math
@@ -230,3 +233,82 @@ def test_no_bins_are_found_ahead_where_the_first_surely_does_not_fit(monkeypatch
 ])
 def test_a_split_is_sized_anew_only_below_the_power_of_two_of_its_guess(answer, guess, again):
     assert rare.sized_again(answer, guess) is again
+
+
+# --- across scales: bins half as wide as the scale above's (rare._settled_across) ---
+
+
+def tiny_q_pairs(pairs: int) -> tuple:
+    """One step per pair, sigma 1.2 down to 0.6 while q falls from 1e-4 to 1e-5."""
+    return tuple((1.2 - 0.6 * t / (pairs - 1), 1e-4 * 0.1 ** (t / (pairs - 1)), 1) for t in range(pairs))
+
+
+@pytest.mark.parametrize("pairs, delta", [(12, 1e-5), (20, 3e-6), (40, 1e-5)])
+def test_the_scale_aboves_bins_halved_answer_where_they_settle_it(monkeypatch, pairs, delta):
+    # A rare tail step decides: removal is sized anew for its answer, and the spread asks
+    # for bins 4 to 16 times finer than the scale above composed. Bins half as wide as
+    # those settle it, within 2^-11 of the asked bins' answer, which is never composed.
+    ledger, composed = tiny_q_pairs(pairs), []
+    split_on = rare._split_on
+    monkeypatch.setattr(rare, "_split_on", lambda *args, **kwargs: composed.append(args[3]) or split_on(*args, **kwargs))
+
+    def removal():
+        composed.clear()
+        rare._split_epsilon.cache_clear()
+        return rare.split_epsilon(ledger, "remove", delta, 1.0, strict=True, points=2**17), min(composed)
+
+    across, finest_across = removal()
+    monkeypatch.setattr(rare, "_ACROSS_RISE", -math.inf)  # never settled: the asked bins answer
+    asked, finest_asked = removal()
+    rare._split_epsilon.cache_clear()
+    assert across[0] != asked[0] and abs(across[0] - asked[0]) <= 2.0**-11 * asked[0]
+    assert not across[1] and not asked[1]
+    assert 2.0 * finest_asked <= finest_across <= 8.0 * finest_asked
+
+
+def across(answers: dict, calls: list, monkeypatch, window=((None, 0.5), 2**16 * 0.25, 2.0), prior=1.0 + 2.0**-12,
+           widest=2**16, asked=0.25):
+    """:func:`rare._settled_across` with the asked bins ``asked``, the scale above's
+    ``window`` (its bins 2) and answer ``prior``, on 2^17 points, each bulk ``widest``
+    asked bins wide; ``answers``: the split's, by bins."""
+    monkeypatch.setattr(rare, "_widest_bulk", lambda *args: widest)
+    monkeypatch.setattr(rare, "_split_on", fake_split_on(answers, calls))
+    return rare._settled_across((), "remove", 1e-6, (asked, 64.0), (None, 0.5), 64.0, None,
+                                (2**17, window, prior), {})
+
+
+def test_the_scale_aboves_bins_halved_settle_it_within_the_rise(monkeypatch):
+    calls = []
+    assert across({1.0: (1.0, False, None)}, calls, monkeypatch) == (1.0, False, None)
+    assert calls == [1.0]
+    assert across({1.0: (1.0, False, None)}, calls, monkeypatch, prior=0.9) == (1.0, False, None)  # (fell: kept)
+
+
+@pytest.mark.parametrize("answer, why", [
+    ((1.0 - 2.0**-10, False, None), "the scale above lay 2^-10 above them"),
+    ((1.0, True, None), "rounding decides"),
+    (rare._TOO_WIDE, "a window too wide"),
+    (None, "no bulk left"),
+])
+def test_the_scale_aboves_bins_halved_that_do_not_settle_it_answer_nothing(monkeypatch, answer, why):
+    calls = []
+    assert across({1.0: answer}, calls, monkeypatch) is None, why
+    assert calls == [1.0]
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"prior": None}, "no scale above"),
+    ({"window": None}, "no scale above"),
+    ({"asked": 1.0}, "the halved bins are the asked ones"),
+    ({"asked": 0.0625}, "16 times the asked ones: they would not settle it"),
+    ({"window": ((None, 0.6), 2**16 * 0.25, 2.0)}, "another bulk"),
+    ({"window": ((None, 0.5), 0.0, 2.0)}, "on two scales: no window to size the asked bins by"),
+    ({"window": ((None, 0.5), 2**17 * 0.25 / 1.2, 2.0)}, "the asked bins may not fit the window"),
+    ({"widest": 2**17 + 1}, "a bulk wider than the window at the asked bins"),
+])
+def test_the_scale_aboves_bins_halved_are_not_tried_where_the_asked_may_not_fit(monkeypatch, change, why):
+    # Where the asked bins do not fit, the caller answers None and the grids answer,
+    # which can be tighter than any split on coarser bins.
+    calls = []
+    assert across({1.0: (1.0, False, None)}, calls, monkeypatch, **change) is None, why
+    assert calls == [], why
