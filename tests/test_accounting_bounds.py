@@ -10,6 +10,7 @@ import dataclasses
 import math
 import random
 import threading
+import types
 import warnings
 from fractions import Fraction
 
@@ -399,10 +400,15 @@ def test_a_long_run_at_huge_epsilon_is_refined_past_the_largest_automatic_grid()
     assert_bracketed(upper, pld_epsilon_lower_bound(runs, delta, grid_points=2**22), rel=2e-3)
 
 
-def test_past_the_largest_grid_a_direction_far_below_the_other_is_not_composed_again(monkeypatch):
+@pytest.mark.parametrize("runs, delta", [
     # At huge epsilon addition reads 4.1*10^5 on 2^20 points, removal 1.3*10^8: composing
     # addition on the refinement's 2^22 points too took a third of the call for nothing.
-    runs, delta = ((0.01405, 0.000512, 10**8),), 0.016
+    (((0.01405, 0.000512, 10**8),), 0.016),
+    # At q near 1 they are close, addition 26,398 below removal (2,860,798), but more than
+    # twice removal's mean shift (8,319), about what refining takes off it (7,639).
+    (((3.606, 0.86, 10**8),), 0.003),
+])
+def test_past_the_largest_grid_a_direction_far_below_the_other_is_not_composed_again(monkeypatch, runs, delta):
     composed, compose = [], pld_module._compose_direction
 
     def counted(steps, direction, grid, *args, **kwargs):
@@ -414,11 +420,38 @@ def test_past_the_largest_grid_a_direction_far_below_the_other_is_not_composed_a
     alone = pld_epsilon(runs, delta)
     assert (pld_module._REMOVE, 2**22) in composed and (pld_module._ADD, 2**22) not in composed
     monkeypatch.setattr(pld_module, "_PAST_LAST_APART", 0.0)  # both composed, as before
+    monkeypatch.setattr(pld_module, "_PAST_LAST_MARGIN", math.inf)
     pld_module._noted_pld_epsilon.cache_clear()
     composed.clear()
     assert pld_epsilon(runs, delta) == alone
     assert (pld_module._ADD, 2**22) in composed
     pld_module._noted_pld_epsilon.cache_clear()
+
+
+@pytest.mark.parametrize("epsilons, composed_again", [
+    ({"remove": 100.0, "add": 97.0}, ()),  # 3 below, more than twice the shift (1)
+    ({"remove": 97.0, "add": 100.0}, ()),
+    ({"remove": 100.0, "add": 98.5}, ("remove", "add")),  # 1.5 below: it may end up above
+    ({"remove": 100.0, "add": 40.0}, ()),  # far below (pld._PAST_LAST_APART)
+])
+def test_past_the_largest_grid_a_direction_close_below_the_other_is_composed_again(monkeypatch, epsilons,
+                                                                                 composed_again):
+    # Refining lowers the reported direction by about its mean shift: the other, where it
+    # lies within twice that below, could end up above it, and is refined too.
+    finer, asked = types.SimpleNamespace(spacing=0.125), []
+    monkeypatch.setattr(pld_module, "_finer_past_last", lambda *args: finer)
+    monkeypatch.setattr(pld_module, "_mean_shift", lambda steps, spacing, direction: 1.0)
+
+    def compose_on(steps, deltas, grid, after, kept=None):  # (a direction kept answers as it was)
+        kept = kept or {}
+        asked.append(tuple(d for d in after if d not in kept))
+        return {d: kept[d] if d in kept else value - 0.5 for d, value in after.items()}
+
+    grid = types.SimpleNamespace(spacing=0.25, n=2**20)
+    found = pld_module._past_last((), {"remove": 1e-6, "add": 1e-6}, epsilons, compose_on, grid, (2**20, 0.0, 1e9))
+    refined = composed_again or (max(epsilons, key=epsilons.get),)
+    assert asked == [refined] and found[0] is finer
+    assert found[1] == {d: value - 0.5 if d in refined else value for d, value in epsilons.items()}
 
 
 def test_no_direction_is_refined_where_another_reported_bound_lies_below_its_floor(monkeypatch):
