@@ -250,7 +250,8 @@ def test_the_scale_aboves_bins_halved_answer_where_they_settle_it(monkeypatch, p
     # those settle it, within 2^-11 of the asked bins' answer, which is never composed.
     ledger, composed = tiny_q_pairs(pairs), []
     split_on = rare._split_on
-    monkeypatch.setattr(rare, "_split_on", lambda *args, **kwargs: composed.append(args[3]) or split_on(*args, **kwargs))
+    monkeypatch.setattr(rare, "_split_on",
+                        lambda *args, **kwargs: composed.append(args[3]) or split_on(*args, **kwargs))
 
     def removal():
         composed.clear()

@@ -1342,8 +1342,8 @@ def _finer_past_last(steps: tuple, delta: float, grid: _Grid, answer: float, sta
 
 def _mean_shift(steps: tuple, spacing: float, direction: str = _REMOVE) -> float:
     """About how far connect-the-dots on bins ``spacing`` wide (grid points at its
-    multiples) raises the mean of the composed loss (of ``direction``): a loss ``l`` split between
-    the ends ``a < l < b`` of its bin gains about :math:`(l - a)(b - l)/2` of mean, at
+    multiples) raises the mean of the composed loss of ``direction``: a loss ``l`` split
+    between the ends ``a < l < b`` of its bin gains about :math:`(l - a)(b - l)/2` of mean, at
     most :math:`h^2/8`; each step adds its expectation under P (Gauss-Hermite, a guide
     only). The shift test's :math:`T h^2 / 8` (:func:`_shift_fine`) counts every step in
     full, where at tiny q the unsampled steps' loss all but sits on the grid point 0: for
@@ -1378,8 +1378,8 @@ _PAST_LAST_APART = 0.5
 #: grid takes off it. At q near 1 the two directions are close, and each took as long on
 #: 2^22 points: sigma 3.606, q 0.86 over 10^8 steps (delta 0.003) reads 2,860,798 and
 #: 2,834,400 on 2^20 points, removal's mean shift there 8,319, and removal refined
-#: 2,853,159 (7,639 lower): 0.49 s instead of 0.67 s, the same value. Over 120 random runs at q 0.2 to 1 (10^6 to 10^8 steps) and 735
-#: other answers no value changed.
+#: 2,853,159 (7,639 lower): 0.49 s instead of 0.67 s, the same value. Over 120 random
+#: runs at q 0.2 to 1 (10^6 to 10^8 steps) and 735 other answers no value changed.
 _PAST_LAST_MARGIN = 2.0
 
 

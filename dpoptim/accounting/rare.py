@@ -199,8 +199,8 @@ def _split_epsilon(steps: tuple, direction: str, delta: float, spacing: float, s
                 and found[0] > _HOPELESS * scale]
     if hopeless:  # rounding decides far above the scale: finer bins only add to it
         return min(hopeless, key=lambda found: found[0])
-    across = _settled_across(steps, direction, delta, (h, coarsest), (floor, cut), scale, dtype, (points, window, prior),
-                             tried)
+    across = _settled_across(steps, direction, delta, (h, coarsest), (floor, cut), scale, dtype,
+                             (points, window, prior), tried)
     if across is not None:
         return across
     while h <= coarsest:
