@@ -246,8 +246,9 @@ def tiny_q_pairs(pairs: int) -> tuple:
 @pytest.mark.parametrize("pairs, delta", [(12, 1e-5), (20, 3e-6), (40, 1e-5)])
 def test_the_scale_aboves_bins_halved_answer_where_they_settle_it(monkeypatch, pairs, delta):
     # A rare tail step decides: removal is sized anew for its answer, and the spread asks
-    # for bins 4 to 16 times finer than the scale above composed. Bins half as wide as
-    # those settle it, within 2^-11 of the asked bins' answer, which is never composed.
+    # for bins 4 to 16 times finer than the scale above composed. Bins half as wide as the
+    # scale above's settle it, within 2^-11 of the asked bins' answer; those are never
+    # composed.
     ledger, composed = tiny_q_pairs(pairs), []
     split_on = rare._split_on
     monkeypatch.setattr(rare, "_split_on",
