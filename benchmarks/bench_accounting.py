@@ -95,6 +95,8 @@ def _ledgers():
         ("T = 10^8 (sigma 1, q 1e-3)", [(1.0, 1e-3, 10**8)], 1e-5, 0.5),
         ("tiny q: 2,000 one-step pairs (sigma 1.2 -> 0.6, q 1e-4 -> 1e-5)",
          tiny_q_schedule_ledger(2000, (1.2, 0.6), (1e-4, 1e-5)), 1e-5, None),
+        ("tiny q: 10^4 one-step pairs (sigma 1.2 -> 0.6, q 1e-4 -> 1e-5)",
+         tiny_q_schedule_ledger(10_000, (1.2, 0.6), (1e-4, 1e-5)), 1e-5, 0.5),
         ("tiny q: 120 one-step pairs (sigma 0.95 -> 0.48, q 2.1e-5), delta 7.5e-6",
          tiny_q_schedule_ledger(120, (0.9547, 0.4768), (2.0857e-5, 2.0857e-5)), 7.4614e-6, None),
         ("small q: 10^4-run sigma schedule (sigma 1 -> 0.8, q 1e-4, 100 steps each)",
