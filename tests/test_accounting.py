@@ -260,6 +260,26 @@ def test_pld_is_below_rdp_on_reference_cases():
         assert epsilon(sigma, q, steps, DELTA) <= epsilon(sigma, q, steps, DELTA, accountant="rdp")
 
 
+def test_the_larger_direction_is_reported(monkeypatch):
+    """Add/remove adjacency: epsilon is the larger of the two directions' (each with its
+    own bound). For the subsampled Gaussian removal is usually the larger, so a removal-only
+    reading would pass most checks; here addition is made 1.5 times larger and must count,
+    up to the other sound bounds (RDP's 2.013 here)."""
+    from dpoptim.accounting import pld as pld_module
+
+    plain = pld_module.pld_epsilon([(1.1, 0.004, 10_000)], 1e-5)
+    compose = pld_module._compose_direction
+
+    def heavier_addition(steps, direction, grid, *args, **kwargs):
+        epsilon, rounding = compose(steps, direction, grid, *args, **kwargs)
+        return (epsilon * 1.5 if direction == "add" else epsilon), rounding
+
+    monkeypatch.setattr(pld_module, "_compose_direction", heavier_addition)
+    heavier = pld_module.pld_epsilon([(1.1 * (1 + 1e-9), 0.004, 10_000)], 1e-5)  # (not cached)
+    assert heavier > plain * 1.05
+    assert heavier <= epsilon(1.1, 0.004, 10_000, 1e-5, accountant="rdp") * (1 + 1e-9)
+
+
 def test_tiny_sample_rate():
     # q = 1e-6, 10^5 steps. Independent connect-the-dots at discretisations 2e-7 and 1e-7
     # give 6.6268e-4 and 6.6146e-4 (upper bounds, converging quadratically to about

@@ -46,6 +46,26 @@ def test_poisson_indices_have_the_bernoulli_law():
     assert abs(pair / draws - q * q) < 5 * math.sqrt(q * q / draws)
 
 
+def test_the_loader_samples_at_the_rate_it_reports_to_the_accountant():
+    """What the loader draws is what privacy_kwargs reports: the accountant's q is the
+    chance that an example joins a batch of the loader itself, not of poisson_indices alone
+    (a loader drawing at 1.2 q would make every reported epsilon too small)."""
+    n, q = 200, 0.05
+    loader = poisson_loader(TensorDataset(torch.arange(n)), sample_rate=q, generator=torch.Generator().manual_seed(3))
+    reported = privacy_kwargs(loader)["sample_rate"]
+    assert reported == q
+    counts, batches = torch.zeros(n), 0
+    for _ in range(40):  # 40 epochs of round(1/q) batches
+        for (indices,) in loader:
+            counts[indices] += 1
+            batches += 1
+    # n * batches Bernoulli(q) draws: the overall rate within 5 standard errors (about 5% of q
+    # here, a quarter of the 20% a loader drawing at 1.2 q would be off by)
+    rate = counts.sum().item() / (n * batches)
+    assert abs(rate - reported) < 5 * math.sqrt(q * (1 - q) / (n * batches))
+    assert counts.min() > 0  # about 40 draws each: none left out
+
+
 def test_poisson_indices_edge_rates():
     g = torch.Generator().manual_seed(1)
     assert torch.equal(poisson_indices(7, 1.0, g), torch.arange(7))

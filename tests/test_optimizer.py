@@ -1,15 +1,16 @@
 """The DP optimizers: torch-twin equivalence, noise, reproducibility, the step contract."""
 
+import copy
 import gc
 import math
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 from torch import nn
 
 import dpoptim
-from oracle import check_rule_case
+from oracle import check_rule_case, clipped_sum, per_example_gradients
 
 
 def mlp(seed=0, dtype=torch.float64):
@@ -115,6 +116,23 @@ def test_seeded_generator_reproduces_the_noise_and_default_does_not():
     assert not torch.equal(run(None), run(None))
 
 
+@pytest.mark.parametrize("secure", [False, True])
+def test_each_step_draws_fresh_noise(secure):
+    """Two steps of one optimizer with its own generator draw independent noise: the same
+    vector twice would cancel in the difference of two updates and add nothing to privacy."""
+    model = zero_loss_model(10_000)
+    opt = dpoptim.DPSGD(model.parameters(), lr=1.0, noise_multiplier=1.0, max_grad_norm=1.0,
+                        expected_batch_size=1, sample_rate=0.01, secure_mode=secure)
+    draws = []
+    for _ in range(2):
+        before = model.weight.detach().clone()
+        opt.zero_grad()
+        opt.step()
+        draws.append((model.weight.detach() - before).flatten())
+    # the correlation of two independent normal vectors of 10^4 entries has sd 0.01
+    assert abs(torch.corrcoef(torch.stack(draws))[0, 1].item()) < 0.06
+
+
 def test_empty_batch_is_a_noise_only_step_and_is_recorded():
     model = mlp()
     before = [p.detach().clone() for p in model.parameters()]
@@ -129,6 +147,32 @@ def test_empty_batch_is_a_noise_only_step_and_is_recorded():
     assert opt.ledger == ((1.0, 0.1, 2),)
     assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_step_ends_the_batch_it_was_given():
+    """A step takes the backward() calls since the last step or zero_grad() and no others:
+    a step with none since is noise only, and a batch after it without zero_grad() is
+    clipped and summed on its own (the batch before must not count twice)."""
+    model, clip, b = mlp(), 0.05, 4.0
+    opt = dpoptim.DPSGD(model.parameters(), lr=1.0, noise_multiplier=0.0, max_grad_norm=clip,
+                        expected_batch_size=b, sample_rate=0.1)
+    loss = lambda out, t: nn.functional.cross_entropy(out, t, reduction="none")
+    x, y = batch(4, seed=1)
+    opt.zero_grad()
+    loss(model(x), y).mean().backward()
+    opt.step()
+    after_first = [p.detach().clone() for p in model.parameters()]
+    opt.step()  # nothing since the last step: noise only (none here)
+    assert all(torch.equal(a, p) for a, p in zip(after_first, model.parameters()))
+    reference = copy.deepcopy(model)
+    x, y = batch(3, seed=2)
+    loss(model(x), y).mean().backward()  # no zero_grad() in between
+    opt.step()
+    expected, _ = clipped_sum(per_example_gradients(reference, (x,), y, lambda m, x: m(x), loss), clip,
+                              list(reference.parameters()))
+    for p, a, e in zip(model.parameters(), after_first, expected):
+        torch.testing.assert_close(p, a - e / b)
+    assert opt.steps_taken == 3
 
 
 def test_frozen_parameters_are_ignored():
@@ -258,6 +302,37 @@ def test_every_example_contributes_at_most_c(n, scale):
     opt.step()
     delta = torch.sqrt(sum((b - p).square().sum() for b, p in zip(before, model.parameters())))
     assert delta <= n * 0.05 * (1 + 1e-9)
+
+
+@settings(deadline=None)
+@given(n=st.integers(1, 6), drop=st.integers(0, 5), scale=st.floats(0.1, 100),
+       reduction=st.sampled_from(["mean", "sum"]), micro=st.booleans())
+def test_one_example_more_or_less_moves_the_update_by_at_most_c_over_b(n, drop, scale, reduction, micro):
+    """The add/remove sensitivity of the noiseless update: D and D without one example give
+    updates at most C / B apart, whatever the loss's reduction, however the batch is cut
+    into backward calls, across parameter groups."""
+    assume(reduction == "sum" or n > 1)  # (the mean of an empty batch is not a loss)
+    clip, b = 0.05, 4.0
+    x, y = batch(n)
+    x = x * scale
+
+    def update(keep):
+        model = mlp()
+        before = torch.cat([p.detach().flatten() for p in model.parameters()])
+        groups = [{"params": model[0].parameters()}, {"params": model[2].parameters()}]
+        opt = dpoptim.DPSGD(groups, lr=1.0, noise_multiplier=0.0, max_grad_norm=clip, expected_batch_size=b,
+                            sample_rate=0.1, loss_reduction=reduction)
+        opt.zero_grad()
+        parts = [keep[: len(keep) // 2], keep[len(keep) // 2:]] if micro and len(keep) > 1 else [keep]
+        for part in parts:
+            nn.functional.cross_entropy(model(x[part]), y[part], reduction=reduction).backward()
+        opt.step()
+        return torch.cat([p.detach().flatten() for p in model.parameters()]) - before
+
+    everyone = list(range(n))
+    fewer = everyone[: drop % n] + everyone[drop % n + 1:]
+    moved = float((update(everyone) - update(fewer)).norm())
+    assert moved <= clip / b * (1 + 1e-9)
 
 
 def test_secure_mode_keeps_the_noise_scale_and_refuses_a_fixed_generator():

@@ -1,5 +1,6 @@
 """nn.Linear against the brute-force oracle over drawn shapes."""
 
+import pytest
 import torch
 from hypothesis import given, strategies as st
 from torch import nn
@@ -25,6 +26,20 @@ def test_linear_matches_oracle(n, lead, d, p, bias, reduction, clip):
         return nn.Sequential(nn.Linear(d, 5), nn.Tanh(), nn.Linear(5, p, bias=bias)).double()
 
     check_rule_case(make, (x,), y, lambda m, x: m(x), mse, max_grad_norm=clip, reduction=reduction)
+
+
+@pytest.mark.parametrize("rows, d, p", [(2, 8, 8), (3, 2, 3)], ids=["ghost", "materialised"])
+def test_linear_over_sequences_matches_oracle_on_either_norm_route(rows, d, p):
+    """The drawn shapes above rarely reach the ghost route (it needs rows (d + p) < d p):
+    each route once, on purpose, so that a norm missing the cross terms between rows
+    fails here and not only by chance."""
+    from dpoptim import cost
+
+    assert cost.ghost_is_cheaper(rows, d, p) == (rows == 2)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(5, rows, d, generator=g, dtype=torch.float64)
+    y = torch.randn(5, rows, p, generator=g, dtype=torch.float64)
+    check_rule_case(lambda: nn.Linear(d, p).double(), (x,), y, lambda m, x: m(x), mse)
 
 
 @given(splits=st.lists(st.integers(0, 3), min_size=1, max_size=4))

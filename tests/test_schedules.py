@@ -46,6 +46,22 @@ def test_noise_schedule_is_applied_and_in_the_ledger():
     assert opt.ledger[-1] == (0.5, 0.02, 1)
 
 
+def test_a_changed_clip_bound_scales_the_noise_with_it():
+    """The clipped sums use the bound of the step, and so must the noise: N(0, sigma^2 C^2)
+    with the new C, not the one the optimizer was built with (a larger C under the old
+    noise would be a smaller effective noise multiplier)."""
+    model = big_model()
+    opt = dpoptim.DPSGD(model.parameters(), lr=1.0, noise_multiplier=1.0, max_grad_norm=1.0,
+                        expected_batch_size=4, sample_rate=0.01, generator=torch.Generator().manual_seed(0))
+    for step, bound in enumerate([1.0, 4.0, 0.25, 2.0]):
+        if step % 2:  # by attribute and by param group
+            opt.max_grad_norm = bound
+        else:
+            for group in opt.param_groups:
+                group["max_grad_norm"] = bound
+        assert noise_std(opt, model) == pytest.approx(1.0 * bound / 4, rel=0.04)
+
+
 def test_groups_must_agree_on_noise_but_not_on_lr():
     a, b = nn.Linear(2, 2), nn.Linear(2, 2)
     opt = dpoptim.DPSGD([{"params": a.parameters(), "lr": 0.1}, {"params": b.parameters(), "lr": 1.0}],
@@ -222,6 +238,11 @@ def test_a_schedule_step_that_leaves_the_covered_setting_is_asked_about(monkeypa
     opt.noise_multiplier = 1.003
     opt.step()
     assert len(calls) == before  # covered: at least as noisy as the worse setting asked about
+    opt.sample_rate = 0.6  # as noisy, but sampled more often: asked about before it is taken
+    opt.step()
+    assert len(calls) > before
+    opt.sample_rate = 0.5
+    before = len(calls)
     opt.noise_multiplier = 0.5  # far below it: asked again, and it fits
     opt.step()
     assert len(calls) > before
@@ -230,7 +251,25 @@ def test_a_schedule_step_that_leaves_the_covered_setting_is_asked_about(monkeypa
     before = len(calls)
     opt.step()
     assert len(calls) > before
-    assert opt.steps_taken == 7
+    assert opt.steps_taken == 8
+
+
+def test_the_budget_stop_asks_again_where_q_rises_on_a_covered_schedule():
+    """The real accountant: sigma changes at every step, so spans of steps are covered by
+    one answer at a worse setting; then q jumps far above the covered q. Every step taken
+    must stay within the budget, whatever the earlier answer covered."""
+    budget = 3.0
+    opt = dpoptim.DPSGD(nn.Linear(2, 2).parameters(), lr=0.0, noise_multiplier=2.0, max_grad_norm=1.0,
+                        expected_batch_size=2, sample_rate=0.01, max_epsilon=budget)
+    taken = 0
+    with pytest.raises(dpoptim.PrivacyBudgetExceeded):
+        for k in range(400):
+            opt.noise_multiplier = 2.0 - 0.001 * k
+            opt.sample_rate = 0.01 if k < 4 else 0.5
+            opt.step()
+            taken += 1
+            assert opt.privacy_spent().epsilon <= budget, (taken, opt.ledger)
+    assert 4 < taken < 400
 
 
 def test_the_budget_stop_on_a_schedule_stops_where_the_accountant_says(monkeypatch):
