@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import assume, given, strategies as st
 from torch import nn
 
 import dpoptim
@@ -304,7 +304,6 @@ def test_every_example_contributes_at_most_c(n, scale):
     assert delta <= n * 0.05 * (1 + 1e-9)
 
 
-@settings(deadline=None)
 @given(n=st.integers(1, 6), drop=st.integers(0, 5), scale=st.floats(0.1, 100),
        reduction=st.sampled_from(["mean", "sum"]), micro=st.booleans())
 def test_one_example_more_or_less_moves_the_update_by_at_most_c_over_b(n, drop, scale, reduction, micro):
