@@ -200,6 +200,9 @@ class CaptureMixin:
         elif isinstance(module, nn.parallel.DistributedDataParallel):
             self._ddp_syncing = bool(module.require_backward_grad_sync)  # False under no_sync()
         decision = self._decide(module)
+        changing = None if decision.rule is None else decision.rule.changes_state(module)
+        if changing is not None:
+            raise ValueError(changing)
         if not decision.claimed:
             return
         begin_call(module)  # the rule's per-call state (Rule.call_state), until _leave_context
@@ -242,9 +245,14 @@ class CaptureMixin:
         if rule is None:
             return
         mixing = rule.mixes_examples(module)
-        if mixing is not None and isinstance(output, torch.Tensor) and output.requires_grad:
-            # Refused at the end of the backward that reaches it, whatever it owns.
-            output.register_hook(functools.partial(_mixing_hook, self._ref, module, mixing))
+        if mixing is not None:
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                # Refused at the end of the backward that reaches it, whatever it owns.
+                output.register_hook(functools.partial(_mixing_hook, self._ref, module, mixing))
+            else:
+                # No gradient flows back into it (a frozen BatchNorm on the input), yet the layers
+                # after it read mixed examples: the next backward is refused, whatever it reaches.
+                self._mixed_before[id(module)] = mixing
         params = [(n, p) for n, p in decision.claimed if p.requires_grad]
         if not params:
             return
@@ -284,6 +292,8 @@ class CaptureMixin:
         if self._open is None:
             self._follow_cleared_grads(arriving)
             self._open = _Group()
+            self._open.mixing.update(self._mixed_before)
+            self._mixed_before.clear()
             _torch.queue_end_of_backward(functools.partial(_close_group, self._ref))
         return self._open
 

@@ -65,6 +65,9 @@ class GradEngine(CaptureMixin, AccelerationMixin, ClippingMixin, ShardingMixin):
         self._owners: dict[int, tuple] = {}  # id(param) -> (weakref to its module, its name there)
         self._decisions = weakref.WeakKeyDictionary()
         self._open: _Group | None = None
+        # id(module) -> why its call mixed the examples, where no output gradient can carry it
+        # to a backward (CaptureMixin._on_forward): the next backward of this engine is refused
+        self._mixed_before: dict[int, str] = {}
         self._handles: list = []
         self._verify_handles: list = []
         self._ref = weakref.ref(self)

@@ -123,6 +123,15 @@ class Capture:
         """Called before each forward pass with gradients on: raise here to refuse a
         configuration before the forward changes anything."""
 
+    def changes_state(self, module: nn.Module) -> str | None:
+        """Why this call of ``module`` would change the model from the batch outside the
+        optimizer and without noise (running statistics, rows renormalised in place), or None
+        (the default). Asked before every forward pass with gradients on, whether or not the
+        module owns parameters of the optimizer (a frozen layer's buffers and weights are
+        published with the model all the same), and raised at once, before the forward
+        changes anything."""
+        return None
+
     def mixes_examples(self, module: nn.Module) -> str | None:
         """Why this call of ``module`` mixes the examples of its batch (so that per-example
         gradients do not exist), or None (the default). Asked after every forward pass with

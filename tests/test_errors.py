@@ -137,6 +137,29 @@ def test_frozen_batchnorm_in_training_mode_is_still_refused():
         opt.step()
 
 
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("zero_grad_after_forward", [False, True])
+def test_batchnorm_on_the_input_with_nothing_to_train_is_still_refused(affine, zero_grad_after_forward):
+    """A BatchNorm on the input whose own parameters do not train (frozen, or affine=False)
+    has no gradient to carry the refusal back, yet the layers after it read mixed examples:
+    removing one example moves every other one's gradient. The next backward is refused,
+    also in a loop that clears the gradients between forward and backward."""
+    bn = nn.BatchNorm1d(4, affine=affine)
+    bn.requires_grad_(False)
+    model = nn.Sequential(bn, nn.Linear(4, 1))
+    opt = make_opt([p for p in model.parameters() if p.requires_grad])
+    if not zero_grad_after_forward:
+        opt.zero_grad()
+    loss = model(torch.randn(5, 4)).sum()
+    if zero_grad_after_forward:
+        opt.zero_grad()
+    loss.backward()
+    before = model[1].weight.detach().clone()
+    with pytest.raises(UnsupportedLayerError, match="batch statistics"):
+        opt.step()
+    assert torch.equal(model[1].weight, before)
+
+
 def test_replace_batchnorm_swaps_for_groupnorm():
     model = nn.Sequential(nn.Conv2d(3, 64, 3), nn.BatchNorm2d(64), nn.Sequential(nn.BatchNorm1d(3)))
     dpoptim.replace_batchnorm(model)

@@ -155,6 +155,21 @@ def test_instance_norm_tracking_running_stats_is_refused_in_training():
     assert torch.equal(layer.running_mean, before)
 
 
+@pytest.mark.parametrize("affine, frozen", [(False, False), (True, True)])
+def test_instance_norm_tracking_running_stats_is_refused_even_with_nothing_to_train(affine, frozen):
+    """Its running statistics are updated from the batch whether or not its own parameters
+    train, and they are published with the model: refused before the forward changes them."""
+    norm = nn.InstanceNorm1d(2, affine=affine, track_running_stats=True)
+    norm.requires_grad_(not frozen)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Unflatten(1, (2, 3)), norm, nn.Flatten(), nn.Linear(6, 1))
+    opt = dpoptim.DPSGD([p for p in model.parameters() if p.requires_grad], lr=0.1, noise_multiplier=1.0,
+                        max_grad_norm=1.0, expected_batch_size=4, sample_rate=0.1)
+    opt.zero_grad()
+    with pytest.raises(ValueError, match="running statistics.*track_running_stats=False"):
+        model(torch.randn(4, 4))
+    assert torch.equal(norm.running_mean, torch.zeros(2)) and torch.equal(norm.running_var, torch.ones(2))
+
+
 class _NormNet(nn.Module):
     """Every normalization family in one model, so they clip together. ReLUs sit between
     the norms, and the conv has no bias: a per-channel shift right before InstanceNorm has

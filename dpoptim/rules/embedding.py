@@ -68,14 +68,19 @@ def _check_options(module) -> None:
             "index occurs in the whole batch, which mixes examples, so per-example gradients "
             f"do not exist. Build the {type(module).__name__} with scale_grad_by_freq=False."
         )
-    if module.max_norm is not None:
-        raise ValueError(
-            f"{module!r} has max_norm set: its forward renormalises, in place and outside the "
-            "optimizer, exactly the rows the batch looks up, so the weights would reveal which "
-            "indices were in the batch; DP-SGD's noise does not cover that. Build it with "
-            "max_norm=None; to bound the rows, renormalise every row after each step "
-            "(with torch.no_grad(): emb.weight.renorm_(2, 0, max_norm))."
-        )
+
+
+def _renormalised_rows(module) -> str | None:
+    """Why the forward of ``module`` changes its weights from the batch (frozen or not)."""
+    if module.max_norm is None:
+        return None
+    return (
+        f"{module!r} has max_norm set: its forward renormalises, in place and outside the "
+        "optimizer, exactly the rows the batch looks up, so the weights would reveal which "
+        "indices were in the batch; DP-SGD's noise does not cover that, frozen or not. Build it "
+        "with max_norm=None; to bound the rows, renormalise every row after each step "
+        "(with torch.no_grad(): emb.weight.renorm_(2, 0, max_norm))."
+    )
 
 
 def _runs(keys: torch.Tensor):
@@ -93,6 +98,9 @@ class EmbeddingRule(Rule):
 
     def check(self, module):
         _check_options(module)
+
+    def changes_state(self, module):
+        return _renormalised_rows(module)
 
     def save(self, module, args, kwargs, output):
         indices = args[0] if args else kwargs["input"]
@@ -190,6 +198,9 @@ class EmbeddingBagRule(Rule):
 
     def check(self, module):
         _check_options(module)
+
+    def changes_state(self, module):
+        return _renormalised_rows(module)
 
     def save(self, module, args, kwargs, output):
         names = ("input", "offsets", "per_sample_weights")

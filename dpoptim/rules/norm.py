@@ -174,13 +174,14 @@ class InstanceNormRule(_RunningStatsRule):
         # InstanceNorm's forward: use_input_stats = training or not track_running_stats.
         return not module.training and module.track_running_stats and module.running_mean is not None
 
-    def check(self, module):
+    def changes_state(self, module):
         if module.training and module.track_running_stats:
-            raise ValueError(
+            return (
                 f"{module!r} updates its running statistics from the training data, outside the "
-                "optimizer and without noise: they would leak information DP-SGD does not account "
-                "for. Build it with track_running_stats=False."
+                "optimizer and without noise, whether its own parameters train or not: they would "
+                "leak information DP-SGD does not account for. Build it with track_running_stats=False."
             )
+        return None
 
     def input_statistics_dims(self, x):
         return tuple(range(2, x.dim()))
