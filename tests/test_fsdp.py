@@ -212,24 +212,27 @@ def noise_law(rank):
     return before - full(model)["weight"]  # lr 1: the privatised gradient
 
 
-def sensitivity(rank):
+def sensitivity(rank, scaled=False):
     """One noise-free DPSGD step (lr 1) on a batch D and on D without its first example
-    (which rank 0 holds): the updates' difference, in units of C / B."""
+    (which rank 0 holds): the updates' difference, in units of C / B, and the update of D.
+    ``scaled``: under a GradScaler of 2^10, which the sharded sums must divide out."""
     updates = []
     for drop in (False, True):
         model = mlp()
         shard_mlp(model)
         before = full(model)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2**31 - 1) if scaled else None
         opt = dpoptim.DPSGD(model.parameters(), lr=1.0, noise_multiplier=0.0, max_grad_norm=CLIP,
-                            expected_batch_size=BATCH, sample_rate=Q)
+                            expected_batch_size=BATCH, sample_rate=Q, grad_scaler=scaler)
         (x,), y = mlp_batches(1)[0]
         x, y = 10 * x[int(drop):], 10 * y[int(drop):]  # large gradients: every example is clipped
         opt.zero_grad()
-        mse(model(x[rank::WORLD]), y[rank::WORLD]).mean().backward()
+        loss = mse(model(x[rank::WORLD]), y[rank::WORLD]).mean()
+        (loss if scaler is None else scaler.scale(loss)).backward()
         opt.step()
         after = full(model)
         updates.append(torch.cat([(before[n] - after[n]).flatten() for n in before]))
-    return float((updates[0] - updates[1]).norm() / (CLIP / BATCH))
+    return float((updates[0] - updates[1]).norm() / (CLIP / BATCH)), updates[0]
 
 
 def resume(rank):
@@ -353,6 +356,7 @@ def scenarios(rank):
         "mlp_frozen": train("mlp", rank, WORLD, frozen_first=True),
         "zoo": train("zoo", rank, WORLD),
         "sensitivity": sensitivity(rank),
+        "sensitivity_scaled": sensitivity(rank, scaled=True),
         "mlp_adam_noise": train("mlp", rank, WORLD, optimizer="adam", sigma=SIGMA),
         "noise_law": noise_law(rank),
         "resume": resume(rank),
@@ -430,7 +434,17 @@ def test_clipping_is_active_and_mixed_in_the_mlp_case():
 
 def test_removing_one_example_moves_the_update_by_at_most_c_over_b(ranks):
     for r in range(WORLD):
-        assert 0.99 <= ranks[r]["sensitivity"] <= 1.0 + 1e-9  # clipped: exactly C / B
+        assert 0.99 <= ranks[r]["sensitivity"][0] <= 1.0 + 1e-9  # clipped: exactly C / B
+
+
+def test_a_grad_scaler_is_divided_out_of_the_sharded_sums(ranks):
+    """Under a loss scale of 2^10 the sharded sums are clipped and noised in the loss's own
+    units: the same update as without a scaler, and the same sensitivity (left in, the
+    scale would move the update by 2^10 C / B)."""
+    for r in range(WORLD):
+        moved, update = ranks[r]["sensitivity_scaled"]
+        assert 0.99 <= moved <= 1.0 + 1e-6
+        torch.testing.assert_close(update, ranks[r]["sensitivity"][1], rtol=1e-5, atol=1e-7)
 
 
 def test_noise_law_over_the_full_parameter_vector(ranks):
