@@ -144,3 +144,42 @@ def test_privacy_spent_keeps_the_larger_bound_where_the_accountant_dips_on_one_m
     assert first == epsilon_of_ledger(runs[:79], delta)
     opt._ledger = runs
     assert opt.privacy_spent(delta).epsilon == max(first, epsilon_of_ledger(runs, delta))
+
+
+@pytest.mark.parametrize("how", ["continued", "both"])
+def test_the_budget_stop_follows_a_ledger_that_loading_made_longer(how):
+    """The budget stop keeps its answer between steps; a load that adds steps to the ledger
+    (a fresh run resuming a longer one of its own, or another run's history charged too)
+    must make it ask again: every step taken after it stays within max_epsilon, and it stops
+    exactly where the accountant says."""
+    from dpoptim import accounting
+
+    def optimizer(model, q, **kwargs):
+        return dpoptim.DPSGD(model.parameters(), lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0,
+                             expected_batch_size=4, sample_rate=q, **kwargs)
+
+    def step(model, opt):
+        opt.zero_grad()
+        model(torch.randn(int(torch.randint(1, 8, ())), 3)).sum().backward()  # (Poisson-like sizes)
+        opt.step()
+
+    torch.manual_seed(0)
+    earlier = nn.Linear(3, 2)
+    earlier_opt = optimizer(earlier, 0.05 if how == "continued" else 0.2)
+    for _ in range(2 if how == "both" else 40):
+        step(earlier, earlier_opt)
+    saved = earlier_opt.state_dict()
+    model = nn.Linear(3, 2)
+    opt = optimizer(model, 0.05, max_epsilon=3.0)
+    step(model, opt)  # the budget stop answers for a ledger of one step
+    with pytest.warns(dpoptim.PrivacyWarning, match="constructor's privacy settings"):
+        opt.load_state_dict(saved, ledger="both" if how == "both" else None)
+    loaded = opt.ledger
+    assert sum(count for _, _, count in loaded) > 1
+    taken = 0
+    with pytest.raises(dpoptim.PrivacyBudgetExceeded):
+        for _ in range(500):
+            step(model, opt)
+            taken += 1
+            assert opt.privacy_spent().epsilon <= 3.0
+    assert taken == accounting.max_steps(1.0, 0.05, 1e-5, 3.0, ledger=list(loaded))
