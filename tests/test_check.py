@@ -272,6 +272,29 @@ def test_flags_a_clipping_bug_in_dpoptim(monkeypatch):
     assert result.sensitivity > 10
 
 
+class _LouderOnOneFewer(nn.Module):
+    """Doubles its output on a batch of N - 1 examples only: the full batch and the
+    per-example loop see the plain layer, the batch without one example does not."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, K)
+
+    def forward(self, x):
+        out = self.lin(x)
+        return out * 2.0 if x.shape[0] == N - 1 else out
+
+
+def test_flags_a_removal_that_is_not_the_examples_own_clipped_gradient():
+    """Check (3) on its own: the update without one example must be the full update less
+    that example's clipped gradient / n. Here it is not, though the full batch matches the
+    per-example loop and the move stays within C / B (C large)."""
+    result = _check(_LouderOnOneFewer(), _data(), max_grad_norm=100.0)
+    assert result.step_error <= result.tolerance and result.sensitivity <= 1.0
+    assert result.removal_error > 1e-3
+    assert_flagged(result, "(3)")
+
+
 def test_flags_random_loss():
     """Noise the check cannot switch off: it says so instead of comparing noise."""
 

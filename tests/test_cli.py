@@ -56,6 +56,10 @@ def test_epochs_count_poisson_loader_epochs():
     args = cli.build_parser().parse_args(["noise", "--target-epsilon", "1", "--delta", "1e-5",
                                           "--sample-rate", "0.003", "--epochs", "2"])
     assert cli._steps(args) == 666  # 2 epochs of round(1 / 0.003) = 333 batches, as poisson_loader
+    # a part of an epoch is a step more, never fewer: 2.5 epochs of 3 batches take 8 steps
+    args = cli.build_parser().parse_args(["epsilon", "--noise-multiplier", "1", "--delta", "1e-5",
+                                          "--sample-rate", "0.3", "--epochs", "2.5"])
+    assert cli._steps(args) == 8
 
 
 def test_noise_text_output_both_accountants(capsys):

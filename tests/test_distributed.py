@@ -124,6 +124,14 @@ def poisson_shares():
     }
 
 
+def sampling_seeded_per_rank(rank):
+    """The habit of seeding by rank: each rank would draw its own Poisson batch, and an
+    example could sit in the batch on both ranks at once."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    return error_of(lambda: poisson_loader(TensorDataset(torch.arange(40)), sample_rate=Q, generator=generator),
+                    ValueError)
+
+
 def mismatched_settings(rank, dtype=torch.float32, agree=False):
     """With bfloat16 parameters the settings travel in an all-reduce of their own."""
     model = nn.Linear(2, 1).to(dtype)
@@ -141,6 +149,7 @@ def scenarios(rank):
         "noisy": train_ddp(rank, sigma=1.0),
         "virtual": train_virtual(rank),
         "poisson": poisson_shares(),
+        "seeded_per_rank": sampling_seeded_per_rank(rank),
         "all_reduces": count_all_reduces(rank),
         "mismatch": mismatched_settings(rank),
         "mismatch_bf16": mismatched_settings(rank, torch.bfloat16),
@@ -218,6 +227,11 @@ def test_virtual_batches_with_no_sync_equal_the_oracle(ranks):
     # the ranks ran different numbers of backward calls in some step
     assert any(math.ceil(len(a) / 2) != math.ceil(len(b) / 2) for a, b in zip(seen0, seen1))
     assert_all_close(params0, oracle_training(batches, batch_size=0.5 * 24))
+
+
+def test_a_sampling_generator_seeded_per_rank_is_refused(ranks):
+    for r in range(WORLD):
+        assert ranks[r]["seeded_per_rank"] is not None and "differs between ranks" in ranks[r]["seeded_per_rank"]
 
 
 def test_poisson_loader_shares_one_global_draw(ranks):

@@ -392,3 +392,7 @@ def test_target_epsilon_calibrates_the_noise_and_sets_the_budget():
     assert opt.max_epsilon == 2.0
     eps = accounting.epsilon(opt.noise_multiplier, 0.01, steps, 1e-5)
     assert 1.98 <= eps <= 2.0
+    # a part of an epoch is calibrated for as a whole step: 2.5 epochs of 3 batches are 8 steps
+    opt = dpoptim.DPSGD(nn.Linear(2, 2).parameters(), lr=0.1, max_grad_norm=1.0, expected_batch_size=3,
+                        sample_rate=0.3, target_epsilon=2.0, epochs=2.5)
+    assert 1.98 <= accounting.epsilon(opt.noise_multiplier, 0.3, 8, 1e-5) <= 2.0
