@@ -201,7 +201,7 @@ class CaptureMixin:
             self._ddp_syncing = bool(module.require_backward_grad_sync)  # False under no_sync()
         decision = self._decide(module)
         changing = None if decision.rule is None else decision.rule.changes_state(module)
-        if changing is not None:
+        if changing is not None and (decision.claimed or self._in_a_trained_model(module)):
             raise ValueError(changing)
         if not decision.claimed:
             return
@@ -214,6 +214,14 @@ class CaptureMixin:
             self._contexts.setdefault(id(module), []).append(context)
         if not self._verify:  # accelerate.py: ghost differentiation, first uses of its routes
             self._before_forward(module, decision, args)
+
+    def _in_a_trained_model(self, module) -> bool:
+        """Whether the outermost module call now running (``module`` itself, outside any)
+        holds parameters of this optimizer: while the hooks are process-wide, the state of
+        another model's layers (a non-private baseline beside it) is none of its business."""
+        root = paths.current_root()
+        outermost = root.module() if root is not None else None
+        return any(id(p) in self._params for p in (module if outermost is None else outermost).parameters())
 
     def _leave_context(self, module) -> None:
         contexts = self._contexts.get(id(module))
@@ -250,8 +258,10 @@ class CaptureMixin:
                 # Refused at the end of the backward that reaches it, whatever it owns.
                 output.register_hook(functools.partial(_mixing_hook, self._ref, module, mixing))
             else:
-                # No gradient flows back into it (a frozen BatchNorm on the input), yet the layers
-                # after it read mixed examples: the next backward is refused, whatever it reaches.
+                # No gradient flows back into it (a frozen BatchNorm on the input, or a frozen
+                # backbone's), yet the layers after it read mixed examples: the next backward is
+                # refused, whatever it reaches. (While the hooks are process-wide, that includes
+                # another model's such layer: which model it feeds, no hook can tell.)
                 self._mixed_before[id(module)] = mixing
         params = [(n, p) for n, p in decision.claimed if p.requires_grad]
         if not params:

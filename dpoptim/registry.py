@@ -126,10 +126,10 @@ class Capture:
     def changes_state(self, module: nn.Module) -> str | None:
         """Why this call of ``module`` would change the model from the batch outside the
         optimizer and without noise (running statistics, rows renormalised in place), or None
-        (the default). Asked before every forward pass with gradients on, whether or not the
-        module owns parameters of the optimizer (a frozen layer's buffers and weights are
-        published with the model all the same), and raised at once, before the forward
-        changes anything."""
+        (the default). Asked before every forward pass with gradients on of a module inside
+        the trained model, whether or not it owns parameters of the optimizer (a frozen
+        layer's buffers and weights are published with the model all the same), and raised
+        at once, before the forward changes anything."""
         return None
 
     def mixes_examples(self, module: nn.Module) -> str | None:

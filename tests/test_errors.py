@@ -298,3 +298,35 @@ def test_parameter_reused_outside_its_module_after_the_first_step_is_detected():
     with pytest.raises(UnsupportedLayerError, match="used somewhere dpoptim cannot see"):
         opt.step()
     assert torch.equal(model.lin.weight, before)
+
+
+def test_another_models_layers_that_change_their_own_state_are_left_alone():
+    """While its hooks are process-wide, the optimizer sees every module call, but an
+    InstanceNorm tracking statistics or a max_norm Embedding in another model (a baseline
+    trained beside it, not privately) is that model's business: only a layer inside the
+    trained model is refused for changing its own state."""
+    private = nn.Linear(4, 2)
+    opt = make_opt(private.parameters())
+    norm = nn.InstanceNorm1d(2, track_running_stats=True)
+    other = nn.Sequential(nn.Linear(4, 6), nn.Unflatten(1, (2, 3)), norm, nn.Flatten(), nn.Linear(6, 1))
+    other(torch.randn(8, 4)).sum().backward()
+    nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Flatten(), nn.Linear(8, 1))(torch.randint(0, 10, (8, 2)))
+    assert not torch.equal(norm.running_mean, torch.zeros(2))  # that model's own statistics moved
+    opt.zero_grad()
+    private(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    assert opt.steps_taken == 1
+
+
+def test_a_separate_frozen_backbone_that_mixes_examples_is_refused_at_the_first_step():
+    """A frozen backbone called as a module of its own, left in training mode: its
+    BatchNorm mixes the examples the trained head reads. Before the first checked step the
+    hooks see every module in the process, and the head's backward is refused."""
+    backbone = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    backbone.requires_grad_(False)
+    head = nn.Linear(4, 1)
+    opt = make_opt(head.parameters())
+    opt.zero_grad()
+    head(backbone(torch.randn(6, 4))).sum().backward()
+    with pytest.raises(UnsupportedLayerError, match="batch statistics"):
+        opt.step()
