@@ -120,8 +120,9 @@ class Capture:
         return {name: p for name, p in own_parameters(module).items() if p is not None}
 
     def check(self, module: nn.Module) -> None:
-        """Called before each forward pass with gradients on: raise here to refuse a
-        configuration before the forward changes anything."""
+        """Called before each forward pass with gradients on of a module that owns parameters
+        of the optimizer: raise here to refuse a configuration before the forward changes
+        anything (a frozen layer whose forward changes the model: :meth:`changes_state`)."""
 
     def changes_state(self, module: nn.Module) -> str | None:
         """Why this call of ``module`` would change the model from the batch outside the
